@@ -1,0 +1,31 @@
+# Two entry points that work on a fresh machine (see README.md):
+#   make demo   - set up .venv, build torch_openreg, train a small model on openreg
+#   make test   - set up .venv, build torch_openreg, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NATIVE := $(shell find csrc -name '*.cpp' -o -name '*.h')
+
+.PHONY: demo test bench install clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
+	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis
+
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(NATIVE)
+	$(PY) -m pip install --no-build-isolation -e .
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m torch_openreg.demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf build $(VENV) torch_openreg/*.so *.egg-info

@@ -1,0 +1,491 @@
+// Native because: PyTorch only accepts a device allocator as a C++ c10::DeviceAllocator, and
+// allocation is on the per-operator hot path.
+//
+// A caching allocator in the style of CUDA's: device memory is obtained from the simulated
+// driver in segments (runtime/memory.cpp), split into blocks, and freed blocks are cached per
+// stream for reuse. A block used on another stream (record_stream) is only reused after the work
+// queued on that stream at free time has run. Exceeding the device capacity, after releasing the
+// cache, raises torch.OutOfMemoryError.
+#include "adapters/device_allocator.h"
+
+#include "runtime/device.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+namespace openreg {
+namespace {
+
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingAllocator::StatType;
+
+constexpr size_t kMinBlockSize = 512;           // all sizes are rounded to this
+constexpr size_t kSmallSize = 1 << 20;          // requests up to 1 MiB come from the small pool
+constexpr size_t kSmallBuffer = 2 << 20;        // segment size of the small pool
+constexpr size_t kLargeBuffer = 20 << 20;       // segment size for requests of 1-10 MiB
+constexpr size_t kMinLargeAlloc = 10 << 20;     // above this, segments are sized to the request
+constexpr size_t kRoundLarge = 2 << 20;         // ... rounded to 2 MiB
+
+struct Block {
+  int device;
+  int64_t stream;
+  size_t size;
+  size_t requested = 0;
+  char* ptr;
+  bool small;
+  bool allocated = false;
+  Block* prev = nullptr;  // neighbours inside the same segment
+  Block* next = nullptr;
+  std::vector<int64_t> stream_uses;  // other streams the block was used on (record_stream)
+  int pending_events = 0;
+};
+
+struct BlockOrder {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+  }
+};
+
+std::string format_size(size_t bytes) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(2);
+  if (bytes < (1 << 10)) os << bytes << " bytes";
+  else if (bytes < (1 << 20)) os << bytes / 1024.0 << " KiB";
+  else if (bytes < (size_t(1) << 30)) os << bytes / 1048576.0 << " MiB";
+  else os << bytes / 1073741824.0 << " GiB";
+  return os.str();
+}
+
+void update(DeviceStats& s, c10::CachingAllocator::StatArray DeviceStats::*field, bool small,
+            int64_t amount) {
+  auto& arr = s.*field;
+  for (auto idx : {size_t(StatType::AGGREGATE),
+                   size_t(small ? StatType::SMALL_POOL : StatType::LARGE_POOL)}) {
+    if (amount >= 0) arr[idx].increase(amount);
+    else arr[idx].decrease(-amount);
+  }
+}
+
+class DeviceCache {
+ public:
+  explicit DeviceCache(int device) : device_(device), limit_(device_capacity()) {}
+
+  Block* malloc(size_t requested, int64_t stream) {
+    std::lock_guard lock(mutex_);
+    process_outstanding();
+    size_t size = round_size(requested);
+    bool small = size <= kSmallSize;
+    auto& pool = small ? small_free_ : large_free_;
+    Block* block = take_free(pool, size, stream);
+    if (block == nullptr) {
+      size_t segment_size = segment_size_for(size);
+      char* mem = reserve(segment_size);
+      if (mem == nullptr) {
+        // Like CUDA: release every cached segment and try once more before failing.
+        stats_.num_alloc_retries++;
+        wait_outstanding();
+        release_cached();
+        mem = reserve(segment_size);
+      }
+      if (mem == nullptr) {
+        stats_.num_ooms++;
+        raise_oom(requested);
+      }
+      block = new Block{device_, stream, segment_size, 0, mem, small};
+      update(stats_, &DeviceStats::segment, small, 1);
+      update(stats_, &DeviceStats::reserved_bytes, small, segment_size);
+      stats_.num_device_alloc++;
+    }
+    // Split off the tail if worth keeping.
+    size_t remaining = block->size - size;
+    if ((small && remaining >= kMinBlockSize) || (!small && remaining > kSmallSize)) {
+      auto* rest = new Block{device_, stream, remaining, 0, block->ptr + size, small};
+      rest->prev = block;
+      rest->next = block->next;
+      if (rest->next) rest->next->prev = rest;
+      block->next = rest;
+      block->size = size;
+      pool.insert(rest);
+    }
+    block->allocated = true;
+    block->requested = requested;
+    live_.emplace(block->ptr, block);
+    update(stats_, &DeviceStats::allocation, small, 1);
+    update(stats_, &DeviceStats::active, small, 1);
+    update(stats_, &DeviceStats::allocated_bytes, small, block->size);
+    update(stats_, &DeviceStats::active_bytes, small, block->size);
+    update(stats_, &DeviceStats::requested_bytes, small, requested);
+    return block;
+  }
+
+  bool free(void* ptr) {
+    std::lock_guard lock(mutex_);
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return false;
+    Block* block = it->second;
+    live_.erase(it);
+    block->allocated = false;
+    update(stats_, &DeviceStats::allocation, block->small, -1);
+    update(stats_, &DeviceStats::allocated_bytes, block->small, -int64_t(block->size));
+    update(stats_, &DeviceStats::requested_bytes, block->small, -int64_t(block->requested));
+    if (!block->stream_uses.empty()) {
+      // The block may still be read or written by work queued on those streams: reuse it
+      // only once that work has run.
+      for (int64_t s : block->stream_uses) {
+        auto event = event_create(device_, false);
+        event_record(event, get_stream(device_, s));
+        outstanding_.emplace_back(std::move(event), block);
+        block->pending_events++;
+      }
+      block->stream_uses.clear();
+    } else {
+      release_block(block);
+    }
+    return true;
+  }
+
+  void record_stream(void* ptr, int64_t stream) {
+    std::lock_guard lock(mutex_);
+    auto it = live_.find(ptr);
+    if (it == live_.end()) return;
+    Block* block = it->second;
+    if (stream == block->stream) return;
+    if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+        block->stream_uses.end())
+      block->stream_uses.push_back(stream);
+  }
+
+  bool owns(const void* ptr) {
+    std::lock_guard lock(mutex_);
+    return live_.count(const_cast<void*>(ptr)) != 0;
+  }
+
+  void empty_cache() {
+    std::lock_guard lock(mutex_);
+    wait_outstanding();
+    release_cached();
+  }
+
+  DeviceStats stats() {
+    std::lock_guard lock(mutex_);
+    refresh_inactive_split();
+    return stats_;
+  }
+
+  void reset_peak() {
+    std::lock_guard lock(mutex_);
+    for (auto* arr : all_stat_arrays())
+      for (auto& s : *arr) s.reset_peak();
+    stats_.oversize_allocations.reset_peak();
+    stats_.oversize_segments.reset_peak();
+  }
+
+  void reset_accumulated() {
+    std::lock_guard lock(mutex_);
+    for (auto* arr : all_stat_arrays())
+      for (auto& s : *arr) s.reset_accumulated();
+    stats_.num_alloc_retries = 0;
+    stats_.num_ooms = 0;
+    stats_.num_device_alloc = 0;
+    stats_.num_device_free = 0;
+  }
+
+  void set_fraction(double fraction) {
+    TORCH_CHECK_VALUE(fraction >= 0 && fraction <= 1,
+                      "invalid fraction ", fraction, ", it must be in [0, 1]");
+    std::lock_guard lock(mutex_);
+    limit_ = static_cast<size_t>(fraction * device_capacity());
+  }
+
+ private:
+  std::vector<c10::CachingAllocator::StatArray*> all_stat_arrays() {
+    return {&stats_.allocation, &stats_.segment, &stats_.active, &stats_.inactive_split,
+            &stats_.allocated_bytes, &stats_.reserved_bytes, &stats_.active_bytes,
+            &stats_.inactive_split_bytes, &stats_.requested_bytes};
+  }
+
+  static size_t round_size(size_t size) {
+    if (size < kMinBlockSize) return kMinBlockSize;
+    return (size + kMinBlockSize - 1) / kMinBlockSize * kMinBlockSize;
+  }
+
+  static size_t segment_size_for(size_t size) {
+    if (size <= kSmallSize) return kSmallBuffer;
+    if (size < kMinLargeAlloc) return kLargeBuffer;
+    return (size + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+  }
+
+  char* reserve(size_t segment_size) {
+    size_t reserved = size_t(stats_.reserved_bytes[size_t(StatType::AGGREGATE)].current);
+    if (reserved + segment_size > limit_) return nullptr;
+    return static_cast<char*>(segment_alloc(device_, segment_size));
+  }
+
+  Block* take_free(std::set<Block*, BlockOrder>& pool, size_t size, int64_t stream) {
+    Block key{device_, stream, size, 0, nullptr, false};
+    auto it = pool.lower_bound(&key);
+    if (it == pool.end() || (*it)->stream != stream) return nullptr;
+    Block* block = *it;
+    // Do not let a huge cached block serve a much smaller large request.
+    if (!block->small && size < kMinLargeAlloc && block->size >= kMinLargeAlloc) return nullptr;
+    pool.erase(it);
+    return block;
+  }
+
+  // Returns a freed block to its pool, merging it with free neighbours.
+  void release_block(Block* block) {
+    auto& pool = block->small ? small_free_ : large_free_;
+    update(stats_, &DeviceStats::active, block->small, -1);
+    update(stats_, &DeviceStats::active_bytes, block->small, -int64_t(block->size));
+    for (Block* neighbour : {block->prev, block->next}) {
+      if (!neighbour || neighbour->allocated || neighbour->pending_events > 0) continue;
+      pool.erase(neighbour);
+      if (neighbour == block->prev) {
+        block->ptr = neighbour->ptr;
+        block->prev = neighbour->prev;
+        if (block->prev) block->prev->next = block;
+      } else {
+        block->next = neighbour->next;
+        if (block->next) block->next->prev = block;
+      }
+      block->size += neighbour->size;
+      delete neighbour;
+    }
+    pool.insert(block);
+  }
+
+  // Free blocks that are pieces of a split segment (they cannot go back to the driver):
+  // counted when statistics are read rather than on every allocation.
+  void refresh_inactive_split() {
+    for (bool small : {true, false}) {
+      int64_t count = 0, bytes = 0;
+      for (Block* b : small ? small_free_ : large_free_)
+        if (b->prev || b->next) ++count, bytes += int64_t(b->size);
+      for (auto [field, value] : {std::pair{&DeviceStats::inactive_split, count},
+                                  std::pair{&DeviceStats::inactive_split_bytes, bytes}}) {
+        auto& stat = (stats_.*field)[size_t(small ? StatType::SMALL_POOL : StatType::LARGE_POOL)];
+        update(stats_, field, small, value - stat.current);
+      }
+    }
+  }
+
+  void process_outstanding() {
+    while (!outstanding_.empty()) {
+      auto& [event, block] = outstanding_.front();
+      if (!event_query(event)) break;
+      Block* b = block;
+      outstanding_.pop_front();
+      if (--b->pending_events == 0) release_block(b);
+    }
+  }
+
+  void wait_outstanding() {
+    while (!outstanding_.empty()) {
+      auto [event, block] = std::move(outstanding_.front());
+      outstanding_.pop_front();
+      event_synchronize(event);
+      if (--block->pending_events == 0) release_block(block);
+    }
+  }
+
+  // Gives every free, unsplit segment back to the driver.
+  void release_cached() {
+    for (auto* pool : {&small_free_, &large_free_}) {
+      for (auto it = pool->begin(); it != pool->end();) {
+        Block* b = *it;
+        if (b->prev || b->next) {
+          ++it;
+          continue;
+        }
+        it = pool->erase(it);
+        segment_free(b->ptr);
+        update(stats_, &DeviceStats::segment, b->small, -1);
+        update(stats_, &DeviceStats::reserved_bytes, b->small, -int64_t(b->size));
+        stats_.num_device_free++;
+        delete b;
+      }
+    }
+  }
+
+  [[noreturn]] void raise_oom(size_t requested) {
+    size_t capacity = device_capacity();
+    size_t used = driver_used(device_);
+    size_t allocated = size_t(stats_.allocated_bytes[0].current);
+    size_t reserved = size_t(stats_.reserved_bytes[0].current);
+    std::ostringstream msg;
+    msg << "OpenReg out of memory. Tried to allocate " << format_size(requested) << ". Device "
+        << device_ << " has a total capacity of " << format_size(capacity) << " of which "
+        << format_size(capacity > used ? capacity - used : 0) << " is free.";
+    if (limit_ < capacity)
+      msg << " This process is limited to " << format_size(limit_)
+          << " by set_per_process_memory_fraction.";
+    msg << " Of the allocated memory " << format_size(allocated)
+        << " is allocated by PyTorch, and " << format_size(reserved - allocated)
+        << " is reserved by PyTorch but unallocated. The capacity of each simulated device is "
+           "set by OPENREG_DEVICE_MEMORY (for example OPENREG_DEVICE_MEMORY=16GB).";
+    TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
+  }
+
+  const int device_;
+  size_t limit_;
+  std::mutex mutex_;
+  std::set<Block*, BlockOrder> small_free_, large_free_;
+  std::unordered_map<void*, Block*> live_;
+  std::deque<std::pair<EventPtr, Block*>> outstanding_;
+  DeviceStats stats_;
+};
+
+std::vector<std::unique_ptr<DeviceCache>>& caches() {
+  static auto* c = [] {
+    auto* v = new std::vector<std::unique_ptr<DeviceCache>>();  // leaked: used until exit
+    for (int d = 0; d < device_count(); ++d) v->push_back(std::make_unique<DeviceCache>(d));
+    return v;
+  }();
+  return *c;
+}
+
+DeviceCache& cache(int device) {
+  check_device(device);
+  return *caches()[device];
+}
+
+void delete_device_memory(void* ptr) {
+  for (auto& c : caches())
+    if (c->free(ptr)) return;
+  TORCH_INTERNAL_ASSERT(false, "openreg: freeing memory the device allocator does not own");
+}
+
+class OpenRegDeviceAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override { return allocate_on_device(current_device(), nbytes); }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_device_memory; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    KernelScope scope;
+    std::memcpy(dest, src, count);
+  }
+  bool initialized() override { return is_initialized(); }
+  void emptyCache(c10::MempoolId_t) override {
+    for (auto& c : caches()) c->empty_cache();
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    // By address: a storage adopted from a kernel result keeps the block's start address.
+    if (ptr.get() == nullptr) return;
+    cache(stream.device_index()).record_stream(ptr.get(), stream.id());
+  }
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override { return cache(device).stats(); }
+  void resetAccumulatedStats(c10::DeviceIndex device) override { cache(device).reset_accumulated(); }
+  void resetPeakStats(c10::DeviceIndex device) override { cache(device).reset_peak(); }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    check_device(device);
+    size_t capacity = device_capacity();
+    size_t used = driver_used(device);
+    return {capacity > used ? capacity - used : 0, capacity};
+  }
+};
+
+OpenRegDeviceAllocator g_device_allocator;
+
+class DeviceBoundAllocator final : public c10::Allocator {
+ public:
+  explicit DeviceBoundAllocator(int device) : device_(device) {}
+  c10::DataPtr allocate(size_t nbytes) override { return allocate_on_device(device_, nbytes); }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_device_memory; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    KernelScope scope;
+    std::memcpy(dest, src, count);
+  }
+
+ private:
+  int device_;
+};
+
+// ---------------------------------------------------------------- host redirection
+
+thread_local int tls_allocate_on = -1;
+
+c10::Allocator* default_cpu_allocator() {
+  static c10::Allocator* a = c10::GetDefaultCPUAllocator();
+  return a;
+}
+
+void redirect_raw_delete(void* ptr) {
+  if (device_of_pointer(ptr) >= 0) delete_device_memory(ptr);
+  else default_cpu_allocator()->raw_deleter()(ptr);
+}
+
+// Installed as the CPU allocator. Outside the generic fallback it forwards to the default CPU
+// allocator; inside, it hands out device memory (marked as CPU for the CPU kernel).
+class CpuRedirectAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (tls_allocate_on < 0) return default_cpu_allocator()->allocate(nbytes);
+    c10::DataPtr ptr = allocate_on_device(tls_allocate_on, nbytes);
+    ptr.unsafe_set_device(c10::Device(c10::DeviceType::CPU));
+    return ptr;
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &redirect_raw_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    KernelScope scope;
+    std::memcpy(dest, src, count);
+  }
+};
+
+CpuRedirectAllocator g_cpu_redirect;
+
+struct Registration {
+  Registration() {
+    c10::SetAllocator(c10::DeviceType::PrivateUse1, &g_device_allocator);
+    default_cpu_allocator();
+    c10::SetCPUAllocator(&g_cpu_redirect, /*priority=*/1);
+  }
+} g_registration;
+
+}  // namespace
+
+c10::DeviceAllocator* device_allocator() { return &g_device_allocator; }
+
+c10::Allocator* allocator_for_device(int device) {
+  static auto* bound = [] {
+    auto* v = new std::vector<std::unique_ptr<DeviceBoundAllocator>>();  // leaked on purpose
+    for (int d = 0; d < device_count(); ++d) v->push_back(std::make_unique<DeviceBoundAllocator>(d));
+    return v;
+  }();
+  check_device(device);
+  return (*bound)[device].get();
+}
+
+c10::DataPtr allocate_on_device(int device, size_t nbytes) {
+  check_device(device);
+  check_not_forked();
+  c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
+  if (nbytes == 0) return c10::DataPtr(nullptr, dev);
+  Block* block = cache(device).malloc(nbytes, current_stream_id(device));
+  return c10::DataPtr(block->ptr, block->ptr, &delete_device_memory, dev);
+}
+
+bool is_device_memory(const c10::DataPtr& ptr) {
+  return ptr.get_deleter() == &delete_device_memory;
+}
+
+void set_memory_fraction(double fraction, int device) { cache(device).set_fraction(fraction); }
+
+AllocateOnDevice::AllocateOnDevice(int device) : previous_(tls_allocate_on) {
+  tls_allocate_on = device;
+}
+AllocateOnDevice::~AllocateOnDevice() { tls_allocate_on = previous_; }
+
+}  // namespace openreg

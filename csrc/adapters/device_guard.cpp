@@ -1,0 +1,115 @@
+// Native because: PyTorch only accepts a DeviceGuardImplInterface registered from C++
+// (C10_REGISTER_GUARD_IMPL); it is called on every operator that guards a device.
+//
+// The guard is how device-generic code (DeviceGuard, StreamGuard, autograd, torch.Stream and
+// torch.Event, torch.accelerator) reaches the openreg runtime: current device, streams, events.
+#include "runtime/device.h"
+#include "runtime/stream.h"
+#include "adapters/device_allocator.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+namespace openreg {
+namespace {
+
+constexpr auto kType = c10::DeviceType::PrivateUse1;
+
+c10::Stream to_c10(int device, int64_t id) {
+  return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, static_cast<c10::DeviceIndex>(device)),
+                     static_cast<c10::StreamId>(id));
+}
+
+Stream* from_c10(const c10::Stream& s) { return get_stream(s.device_index(), s.id()); }
+
+EventPtr& as_event(void* handle) { return *static_cast<EventPtr*>(handle); }
+
+struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kType; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    TORCH_CHECK(d.type() == kType, "openreg guard got a ", d.type(), " device");
+    auto old = getDevice();
+    if (old.index() != d.index()) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(kType, static_cast<c10::DeviceIndex>(current_device()));
+  }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.type() == kType, "openreg guard got a ", d.type(), " device");
+    set_current_device(d.index());
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < device_count()) set_current_device(d.index());
+  }
+
+  c10::Stream getStream(c10::Device d) const override {
+    check_device(d.index());
+    return to_c10(d.index(), current_stream_id(d.index()));
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return to_c10(d.index(), 0); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
+    return to_c10(d.index(),
+                  stream_from_pool(d.index(), high_priority ? kHighestPriority : kLowestPriority));
+  }
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return to_c10(d.index(), stream_from_pool(d.index(), priority));
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    auto old = getStream(s.device());
+    set_current_stream_id(s.device_index(), s.id());
+    return old;
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(device_count());
+  }
+
+  // Events: the opaque handle is a heap-allocated shared pointer to the runtime event, so that
+  // work queued on a stream can keep the event alive after PyTorch destroys its handle.
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag flag) const override {
+    TORCH_CHECK(device_index == -1 || device_index == stream.device_index(),
+                "Event device index ", device_index, " does not match recording stream's device "
+                "index ", stream.device_index(), ".");
+    if (*event == nullptr)
+      *event = new EventPtr(event_create(stream.device_index(),
+                                         flag == c10::EventFlag::BACKEND_DEFAULT));
+    event_record(as_event(*event), from_c10(stream));
+  }
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event == nullptr) return;
+    event_block(as_event(event), from_c10(stream));
+  }
+  bool queryEvent(void* event) const override {
+    return event == nullptr || event_query(as_event(event));
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) event_synchronize(as_event(event));
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<EventPtr*>(event);
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TORCH_CHECK_VALUE(start && end, "openreg: both events must be recorded before measuring "
+                                    "elapsed time");
+    return event_elapsed_ms(as_event(start), as_event(end));
+  }
+
+  bool queryStream(const c10::Stream& s) const override { return stream_query(from_c10(s)); }
+  void synchronizeStream(const c10::Stream& s) const override {
+    stream_synchronize(from_c10(s));
+  }
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    device_synchronize(device_index < 0 ? current_device() : device_index);
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& ptr, const c10::Stream& s) const override {
+    device_allocator()->recordStream(ptr, s);
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, OpenRegGuardImpl);
+
+}  // namespace
+}  // namespace openreg

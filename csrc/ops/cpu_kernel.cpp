@@ -1,0 +1,152 @@
+// Native because: this is the per-operator hot path of the generic fallback.
+#include "ops/cpu_kernel.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstring>
+
+namespace openreg {
+namespace {
+
+// Context of a CPU alias: it holds the device storage, so the memory outlives the alias even if
+// a CPU kernel keeps the alias somewhere.
+struct AliasOwner {
+  c10::Storage device_storage;
+};
+
+void release_alias(void* ctx) { delete static_cast<AliasOwner*>(ctx); }
+
+c10::intrusive_ptr<c10::StorageImpl> make_cpu_alias_storage(const c10::Storage& device_storage) {
+  auto* impl = device_storage.unsafeGetStorageImpl();
+  void* data = const_cast<void*>(impl->data());
+  c10::DataPtr ptr(data, new AliasOwner{device_storage}, &release_alias,
+                   c10::Device(c10::DeviceType::CPU));
+  // Resizable through the CPU allocator: a kernel that grows an out= argument gets device
+  // memory (allocations are redirected while a HostKernel is alive), adopted by sync_written.
+  return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), impl->nbytes(),
+                                               std::move(ptr), c10::GetCPUAllocator(),
+                                               /*resizable=*/true);
+}
+
+at::Tensor make_tensor_like(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                    like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 like.storage_offset());
+  if (like.is_conj()) t._set_conj(true);
+  if (like.is_neg()) t._set_neg(true);
+  return t;
+}
+
+struct KeepCpuStorage {
+  c10::Storage storage;
+};
+void release_kept(void* ctx) { delete static_cast<KeepCpuStorage*>(ctx); }
+
+}  // namespace
+
+at::Tensor make_device_tensor(c10::Storage storage, const at::Tensor& like) {
+  return make_tensor_like(std::move(storage), c10::DispatchKey::PrivateUse1, like);
+}
+
+at::Tensor cpu_alias(const at::Tensor& t) {
+  return make_tensor_like(c10::Storage(make_cpu_alias_storage(t.storage())), c10::DispatchKey::CPU,
+                          t);
+}
+
+at::Tensor HostKernel::alias(const at::Tensor& t) {
+  auto* timpl = t.unsafeGetTensorImpl();
+  for (auto& a : tensors_)
+    if (a.device.unsafeGetTensorImpl() == timpl) return a.cpu;
+  const c10::Storage& storage = t.storage();
+  c10::Storage cpu_storage;
+  for (auto& s : storages_)
+    if (s.device.unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) cpu_storage = s.cpu;
+  if (!cpu_storage) {
+    cpu_storage = c10::Storage(make_cpu_alias_storage(storage));
+    storages_.push_back({cpu_storage, storage});
+  }
+  at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
+  tensors_.push_back({cpu, t});
+  return cpu;
+}
+
+void HostKernel::sync_written(const at::Tensor& t) {
+  auto* timpl = t.unsafeGetTensorImpl();
+  const at::Tensor* found = nullptr;
+  for (auto& a : tensors_)
+    if (a.device.unsafeGetTensorImpl() == timpl) found = &a.cpu;
+  if (found == nullptr) return;
+  const at::Tensor& cpu = *found;
+  auto* cpu_storage = cpu.storage().unsafeGetStorageImpl();
+  auto* dev_storage = t.storage().unsafeGetStorageImpl();
+  if (cpu_storage->data() != dev_storage->data() || cpu_storage->nbytes() != dev_storage->nbytes()) {
+    // The kernel resized the argument: its new memory was allocated on the device (redirected
+    // CPU allocation); move it into the device storage, which all views of it share.
+    c10::DataPtr fresh =
+        cpu_storage->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::DeviceType::CPU)));
+    size_t nbytes = cpu_storage->nbytes();
+    if (fresh.get() != nullptr && !is_device_memory(fresh)) {
+      c10::DataPtr copy = allocate_on_device(device_, nbytes);
+      std::memcpy(copy.get(), fresh.get(), nbytes);
+      fresh = std::move(copy);
+    }
+    fresh.unsafe_set_device(
+        c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_)));
+    dev_storage->set_data_ptr_noswap(std::move(fresh));
+    dev_storage->set_nbytes(nbytes);
+    // Point the alias at the device memory again, for results that view it.
+    c10::DataPtr back(const_cast<void*>(dev_storage->data()), new AliasOwner{t.storage()},
+                      &release_alias, c10::Device(c10::DeviceType::CPU));
+    cpu_storage->set_data_ptr_noswap(std::move(back));
+  }
+  if (cpu.sizes() != t.sizes() || cpu.strides() != t.strides() ||
+      cpu.storage_offset() != t.storage_offset()) {
+    timpl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
+  }
+}
+
+c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
+  const c10::Storage& storage = cpu.storage();
+  auto* impl = storage.unsafeGetStorageImpl();
+  for (auto& s : storages_)
+    if (s.cpu.unsafeGetStorageImpl() == impl) return s.device;  // an argument's, or seen before
+  c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
+  size_t nbytes = impl->nbytes();
+  c10::DataPtr ptr;
+  const c10::DataPtr& original = impl->data_ptr();
+  if (is_device_memory(original) && storage.use_count() == 1) {
+    // Allocated by the kernel from device memory (redirected CPU allocation): adopt it.
+    ptr = impl->set_data_ptr(c10::DataPtr(nullptr, original.device()));
+    ptr.unsafe_set_device(dev);
+  } else if (is_device_memory(original)) {
+    // Device memory still referenced elsewhere: share it, keeping the CPU storage alive.
+    ptr = c10::DataPtr(const_cast<void*>(impl->data()), new KeepCpuStorage{storage}, &release_kept,
+                       dev);
+  } else {
+    // Memory the kernel did not get from the allocator (static or external): copy it.
+    ptr = allocate_on_device(device_, nbytes);
+    if (nbytes > 0) std::memcpy(ptr.get(), impl->data(), nbytes);
+  }
+  c10::Storage result(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, std::move(ptr), allocator_for_device(device_),
+      /*resizable=*/true));
+  storages_.push_back({storage, result});
+  return result;
+}
+
+at::Tensor HostKernel::result(const at::Tensor& cpu) {
+  if (!cpu.defined()) return cpu;
+  auto* impl = cpu.unsafeGetTensorImpl();
+  for (auto& a : tensors_)
+    if (a.cpu.unsafeGetTensorImpl() == impl) {
+      at::Tensor device = a.device;
+      sync_written(device);
+      return device;  // in-place and out= kernels return their argument itself
+    }
+  return make_device_tensor(device_storage_for(cpu), cpu);
+}
+
+}  // namespace openreg

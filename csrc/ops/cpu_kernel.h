@@ -1,0 +1,66 @@
+// Native because: this is the per-operator hot path of the generic fallback (~3 us per op in
+// C++ against ~13 us in Python, see ../shared/DESIGN.md).
+//
+// How an openreg operator runs a CPU kernel on device memory, zero-copy:
+//   HostKernel k(device);              // stream order, host access to device pages, and
+//                                      // CPU allocations redirected to the device allocator
+//   at::Tensor x = k.alias(dev_x);     // CPU tensor over the same memory (no copy)
+//   at::Tensor y = at::relu(x);        // any CPU kernel; y is allocated in device memory
+//   return k.result(y);                // device tensor: the original argument, a view of an
+//                                      // argument's storage, or y's memory adopted as is
+#pragma once
+
+#include "adapters/device_allocator.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+namespace openreg {
+
+class HostKernel {
+ public:
+  explicit HostKernel(int device)
+      : device_(device), launch_(current_stream(device)), allocate_(device) {}
+
+  int device() const { return device_; }
+
+  // CPU tensor aliasing the device tensor's memory, sizes, strides and offset. Tensors that share
+  // a storage get aliases that share a storage, so CPU kernels see the same overlaps.
+  at::Tensor alias(const at::Tensor& device_tensor);
+
+  // After the kernel: if it resized or restrided the alias of `device_tensor` (an argument
+  // written in place or an out= argument), carry the change over to the device tensor.
+  void sync_written(const at::Tensor& device_tensor);
+
+  // The device tensor for a tensor the kernel returned.
+  at::Tensor result(const at::Tensor& cpu_tensor);
+
+ private:
+  struct AliasedTensor {
+    at::Tensor cpu;
+    at::Tensor device;
+  };
+  // Holding both storages keeps their addresses unique for the lifetime of the session.
+  struct AliasedStorage {
+    c10::Storage cpu;
+    c10::Storage device;
+  };
+  c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
+
+  const int device_;
+  LaunchScope launch_;
+  KernelScope kernel_;
+  AllocateOnDevice allocate_;
+  c10::SmallVector<AliasedTensor, 4> tensors_;
+  c10::SmallVector<AliasedStorage, 4> storages_;
+};
+
+// A device tensor over `storage` with the metadata of `like` (sizes, strides, offset, dtype).
+at::Tensor make_device_tensor(c10::Storage storage, const at::Tensor& like);
+
+// A CPU tensor over device memory for a short host-side access (no session, no dedup).
+at::Tensor cpu_alias(const at::Tensor& device_tensor);
+
+}  // namespace openreg

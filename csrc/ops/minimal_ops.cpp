@@ -1,0 +1,251 @@
+// Native because: the minimal operator set manages device memory and tensor metadata directly
+// (factories, views, set_, resize_, copies, scalars): PyTorch calls these on every tensor
+// creation and transfer, and the generic fallback relies on them.
+#include "ops/minimal_ops.h"
+
+#include "adapters/device_allocator.h"
+#include "adapters/host_allocator.h"
+#include "ops/cpu_kernel.h"
+#include "runtime/device.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace openreg {
+namespace {
+
+constexpr auto kOpenReg = c10::DeviceType::PrivateUse1;
+
+int device_index(std::optional<c10::Device> device) {
+  if (!device.has_value() || !device->has_index()) return current_device();
+  TORCH_CHECK(device->type() == kOpenReg, "openreg: expected an openreg device, got ", *device);
+  check_device(device->index());
+  return device->index();
+}
+
+int tensor_device(const at::Tensor& t) { return t.device().index(); }
+
+void check_layout(std::optional<c10::Layout> layout) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!layout.has_value() || *layout == c10::kStrided,
+                              "openreg supports only strided tensors, got layout ", *layout);
+}
+
+void check_pin(std::optional<bool> pin_memory) {
+  TORCH_CHECK(!pin_memory.value_or(false), "Only dense CPU tensors can be pinned");
+}
+
+// LITERALINCLUDE START: EMPTY.MEMORY_FORMAT
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout,
+                               std::optional<c10::Device> device, std::optional<bool> pin_memory,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  check_layout(layout);
+  check_pin(pin_memory);
+  int index = device_index(device);
+  return at::detail::empty_generic(size, allocator_for_device(index),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+// LITERALINCLUDE END: EMPTY.MEMORY_FORMAT
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                         std::optional<c10::Device> device, std::optional<bool> pin_memory) {
+  check_layout(layout);
+  check_pin(pin_memory);
+  int index = device_index(device);
+  return at::detail::empty_strided_generic(size, stride, allocator_for_device(index),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+// Grows the storage if the tensor's current sizes, strides and offset need more bytes.
+void ensure_storage_fits(const at::Tensor& self) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (self.numel() == 0) return;
+  size_t needed = at::detail::computeStorageNbytes(self.sizes(), self.strides(),
+                                                   self.dtype().itemsize(), self.storage_offset());
+  auto* storage = impl->storage().unsafeGetStorageImpl();
+  if (needed > storage->nbytes()) resize_storage_bytes(storage, needed);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  if (self.sizes() == size && !memory_format.has_value()) return self;
+  impl->set_sizes_contiguous(size);
+  if (memory_format.has_value()) {
+    TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve,
+                "Unsupported memory format ", *memory_format);
+    impl->empty_tensor_restride(*memory_format);
+  }
+  ensure_storage_fits(self);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
+                        c10::IntArrayRef size, c10::IntArrayRef stride) {
+  TORCH_CHECK(source.device_type() == kOpenReg,
+              "set_: expected an openreg storage for an openreg tensor, got a ",
+              source.device_type(), " storage");
+  TORCH_CHECK(source.device().index() == self.device().index(),
+              "set_: the storage is on ", source.device(), " but the tensor is on ", self.device());
+  TORCH_CHECK(storage_offset >= 0, "Tensor: invalid storage offset ", storage_offset);
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(std::move(source));
+  impl->set_storage_offset(storage_offset);
+  if (stride.empty()) impl->set_sizes_contiguous(size);
+  else impl->set_sizes_and_strides(size, stride);
+  ensure_storage_fits(self);
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  size_t itemsize = self.dtype().itemsize();
+  TORCH_CHECK(source.nbytes() % itemsize == 0, "Expected storage size (", source.nbytes(),
+              ") to be divisible by the element size (", itemsize, ")");
+  int64_t numel = static_cast<int64_t>(source.nbytes() / itemsize);
+  return set_storage(self, std::move(source), 0, {numel}, {});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.unsafeGetTensorImpl() == source.unsafeGetTensorImpl()) return self;
+  return set_storage(self, source.storage(), source.storage_offset(), source.sizes(),
+                     source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, allocator_for_device(tensor_device(self)),
+                     /*resizable=*/true);
+  return set_storage(self, std::move(empty), 0, {0}, {});
+}
+
+// A byte copy when layouts agree, else the CPU copy kernel (dtype conversion, broadcasting,
+// arbitrary strides).
+void copy_between(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.dtype() == src.dtype() && dst.sizes() == src.sizes() && dst.strides() == src.strides() &&
+      dst.is_non_overlapping_and_dense() && !dst.is_conj() && !src.is_conj() && !dst.is_neg() &&
+      !src.is_neg()) {
+    size_t nbytes = dst.numel() * dst.element_size();
+    if (nbytes > 0)
+      std::memmove(static_cast<char*>(dst.data_ptr()) , src.const_data_ptr(), nbytes);
+    return;
+  }
+  dst.copy_(src);
+}
+
+bool pinned(const at::Tensor& host) { return is_pinned_pointer(host.const_data_ptr()); }
+
+// LITERALINCLUDE START: COPY_FROM
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const bool src_dev = self.device().type() == kOpenReg;
+  const bool dst_dev = dst.device().type() == kOpenReg;
+  TORCH_CHECK((src_dev || self.is_cpu()) && (dst_dev || dst.is_cpu()),
+              "openreg: copy between ", self.device(), " and ", dst.device(), " is not supported");
+  if (dst.numel() == 0) return dst;
+  if (src_dev && dst_dev) {
+    // Device to device (same or other device): ordered after the source device's current stream
+    // and run on the destination device's current stream.
+    std::optional<LaunchScope> source_order;
+    if (tensor_device(self) != tensor_device(dst)) source_order.emplace(current_stream(tensor_device(self)));
+    HostKernel k(tensor_device(dst));
+    copy_between(k.alias(dst), k.alias(self));
+    return dst;
+  }
+  const at::Tensor& device_side = src_dev ? self : dst;
+  const at::Tensor& host_side = src_dev ? dst : self;
+  int device = tensor_device(device_side);
+  if (non_blocking && pinned(host_side)) {
+    // Asynchronous: queued on the current stream; the host gets control back at once and must
+    // synchronize before it reads the destination (device to host) or reuses the source.
+    at::Tensor alias = cpu_alias(device_side);
+    at::Tensor host = host_side;
+    stream_enqueue(current_stream(device), [alias, host, src_dev] {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      KernelScope kernel;
+      if (src_dev) copy_between(host, alias);
+      else copy_between(alias, host);
+    });
+    return dst;
+  }
+  HostKernel k(device);
+  if (src_dev) copy_between(dst, k.alias(self));
+  else copy_between(k.alias(dst), self);
+  return dst;
+}
+// LITERALINCLUDE END: COPY_FROM
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  resize_(dst, self.sizes(), std::nullopt);
+  return copy_from(self, dst, false);
+}
+
+c10::Scalar local_scalar_dense(const at::Tensor& self) {
+  HostKernel k(tensor_device(self));
+  return at::_local_scalar_dense(k.alias(self));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kOpenReg, "record_stream: expected an openreg stream, got ",
+              stream);
+  device_allocator()->recordStream(self.storage().data_ptr(), stream);
+}
+
+}  // namespace
+
+void resize_storage_bytes(c10::StorageImpl* storage, size_t new_bytes) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  int device = storage->device().index();
+  c10::DataPtr fresh = allocate_on_device(device, new_bytes);
+  size_t keep = std::min(storage->nbytes(), new_bytes);
+  if (keep > 0) {
+    LaunchScope launch(current_stream(device));
+    KernelScope kernel;
+    std::memcpy(fresh.get(), storage->data(), keep);
+  }
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(new_bytes);
+}
+
+// LITERALINCLUDE START: TORCH_LIBRARY_IMPL
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", as_strided);
+  m.impl("view", view);
+  m.impl("_reshape_alias", reshape_alias);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage", set_source_storage);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Tensor", set_source_tensor);
+  m.impl("set_", set_empty);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("record_stream", record_stream);
+}
+// LITERALINCLUDE END: TORCH_LIBRARY_IMPL
+
+}  // namespace openreg

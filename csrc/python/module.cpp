@@ -1,0 +1,48 @@
+// Native because: the Python extension module torch_openreg._C, exposing the native runtime to
+// torch_openreg/openreg (the torch.openreg device module). Grouped by mechanism.
+#include "adapters/device_allocator.h"
+#include "adapters/generator.h"
+#include "runtime/device.h"
+#include "runtime/stream.h"
+
+#include <torch/csrc/Generator.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native core of torch_openreg: the simulated device runtime and its PyTorch adapters";
+
+  // ---- device (runtime/device.cpp)
+  m.def("_device_count", &openreg::device_count);
+  m.def("_current_device", &openreg::current_device);
+  m.def("_set_device", &openreg::set_current_device);
+  m.def("_init", &openreg::lazy_init);
+  m.def("_is_initialized", &openreg::is_initialized);
+  m.def("_is_in_bad_fork", &openreg::in_bad_fork);
+  m.def("_device_capacity", &openreg::device_capacity);
+  m.def("_get_device_properties", [](int device) {
+    auto p = openreg::device_properties(device);
+    return py::make_tuple(p.name, p.total_memory, p.major, p.minor, p.multi_processor_count);
+  });
+
+  // ---- streams (runtime/stream.cpp); streams themselves are torch.Stream objects
+  m.def("_synchronize", [](int device) {
+    py::gil_scoped_release no_gil;
+    openreg::device_synchronize(device);
+  });
+  m.def("_synchronize_all", [] {
+    py::gil_scoped_release no_gil;
+    openreg::synchronize_all();
+  });
+  m.def("_stream_priority", &openreg::stream_priority);
+
+  // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator
+  m.def("_set_memory_fraction", &openreg::set_memory_fraction);
+
+  // ---- random (adapters/generator.cpp)
+  m.def("_default_generator", [](int device) {
+    return py::reinterpret_steal<py::object>(
+        THPGenerator_initDefaultGenerator(openreg::default_generator(device)));
+  });
+}

@@ -1,0 +1,50 @@
+// Native because: this is the simulated device driver (the role libcudart plays for CUDA); the
+// PyTorch adapters in csrc/adapters call it from C++ on every operator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace openreg {
+
+// Number of simulated devices: OPENREG_DEVICE_COUNT, default 2. Never throws.
+int device_count() noexcept;
+
+// Throws c10::Error (Python RuntimeError) naming the index and the count when out of range.
+void check_device(int index);
+
+// The calling thread's current device (starts at 0, like CUDA).
+int current_device() noexcept;
+void set_current_device(int index);  // checked
+
+// Lazy initialisation of the runtime. Raises after a fork of an initialised process.
+void lazy_init();
+bool is_initialized() noexcept;
+bool in_bad_fork() noexcept;
+// Cheap check used on hot paths (allocation, stream use): raises in a bad fork.
+inline void check_not_forked();
+
+struct DeviceProperties {
+  std::string name;
+  size_t total_memory;
+  int major;
+  int minor;
+  int multi_processor_count;
+};
+DeviceProperties device_properties(int index);
+
+// Per-device memory capacity in bytes: OPENREG_DEVICE_MEMORY (e.g. "2GB", "512MiB", "1e9"),
+// default 8 GiB.
+size_t device_capacity() noexcept;
+
+namespace detail {
+void raise_bad_fork();
+extern bool g_bad_fork;
+}  // namespace detail
+
+inline void check_not_forked() {
+  if (__builtin_expect(detail::g_bad_fork, false)) detail::raise_bad_fork();
+}
+
+}  // namespace openreg

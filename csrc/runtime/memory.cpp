@@ -1,0 +1,167 @@
+// Native because: the simulated device driver owns device memory; segments are mmap'd so that
+// strict isolation can revoke host access with mprotect, which only native code can do.
+#include "runtime/memory.h"
+
+#include "runtime/device.h"
+
+#include <c10/util/Exception.h>
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+namespace openreg {
+namespace {
+
+struct Segment {
+  size_t size;
+  int device;
+};
+
+struct Registry {
+  std::shared_mutex mutex;
+  std::map<uintptr_t, Segment> segments;  // base address -> segment
+  std::vector<size_t> used = std::vector<size_t>(64, 0);
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // leaked: worker threads may still run at exit
+  return *r;
+}
+
+// Strict mode state: number of live KernelScopes and the lock serialising protection changes.
+std::mutex g_protect_mutex;
+int g_scopes = 0;
+std::atomic<uintptr_t> g_low{UINTPTR_MAX}, g_high{0};
+struct sigaction g_previous_segv;
+
+void protect_all(int prot) {
+  for (auto& [base, seg] : registry().segments)
+    mprotect(reinterpret_cast<void*>(base), seg.size, prot);
+}
+
+void on_segv(int sig, siginfo_t* info, void* ctx) {
+  auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (addr >= g_low.load() && addr < g_high.load()) {
+    char msg[256];
+    int n = snprintf(msg, sizeof msg,
+                     "\nopenreg: host code accessed device memory at %p outside of a kernel or a "
+                     "copy (OPENREG_STRICT_MEMORY=1). Device memory is not host-accessible: use "
+                     "tensor.cpu() or an openreg operator.\n",
+                     info->si_addr);
+    if (n > 0) {
+      ssize_t ignored = write(STDERR_FILENO, msg, static_cast<size_t>(n));
+      (void)ignored;
+    }
+  }
+  // Hand the fault to whoever was installed before (Python's faulthandler, or the default
+  // action); returning re-executes the faulting access under that handler.
+  sigaction(SIGSEGV, &g_previous_segv, nullptr);
+}
+
+void install_segv_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = &on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_previous_segv);
+  });
+}
+
+}  // namespace
+
+bool strict_memory() noexcept {
+  static const bool strict = [] {
+    const char* env = std::getenv("OPENREG_STRICT_MEMORY");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
+  return strict;
+}
+
+void* segment_alloc(int device, size_t size) {
+  check_device(device);
+  lazy_init();
+  auto& r = registry();
+  {
+    std::unique_lock lock(r.mutex);
+    if (r.used[device] + size > device_capacity()) return nullptr;
+    r.used[device] += size;  // reserve before mapping so concurrent callers see the capacity
+  }
+  const bool strict = strict_memory();
+  if (strict) install_segv_handler();
+  std::unique_lock protect_lock(g_protect_mutex, std::defer_lock);
+  if (strict) protect_lock.lock();
+  int prot = (strict && g_scopes == 0) ? PROT_NONE : (PROT_READ | PROT_WRITE);
+  void* p = mmap(nullptr, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  std::unique_lock lock(r.mutex);
+  if (p == MAP_FAILED) {
+    r.used[device] -= size;
+    return nullptr;
+  }
+  auto base = reinterpret_cast<uintptr_t>(p);
+  r.segments.emplace(base, Segment{size, device});
+  uintptr_t low = g_low.load();
+  while (base < low && !g_low.compare_exchange_weak(low, base)) {
+  }
+  uintptr_t high = g_high.load();
+  while (base + size > high && !g_high.compare_exchange_weak(high, base + size)) {
+  }
+  return p;
+}
+
+void segment_free(void* ptr) {
+  if (ptr == nullptr) return;
+  auto& r = registry();
+  std::unique_lock lock(r.mutex);
+  auto it = r.segments.find(reinterpret_cast<uintptr_t>(ptr));
+  TORCH_INTERNAL_ASSERT(it != r.segments.end(), "openreg: freeing an unknown segment");
+  r.used[it->second.device] -= it->second.size;
+  munmap(ptr, it->second.size);
+  r.segments.erase(it);
+}
+
+size_t driver_used(int device) {
+  auto& r = registry();
+  std::shared_lock lock(r.mutex);
+  return r.used.at(device);
+}
+
+int device_of_pointer(const void* ptr) {
+  auto addr = reinterpret_cast<uintptr_t>(ptr);
+  auto& r = registry();
+  std::shared_lock lock(r.mutex);
+  auto it = r.segments.upper_bound(addr);
+  if (it == r.segments.begin()) return -1;
+  --it;
+  if (addr < it->first + it->second.size) return it->second.device;
+  return -1;
+}
+
+void KernelScope::enter() {
+  std::lock_guard guard(g_protect_mutex);
+  if (g_scopes++ == 0) {
+    std::shared_lock lock(registry().mutex);
+    protect_all(PROT_READ | PROT_WRITE);
+  }
+}
+
+void KernelScope::leave() {
+  std::lock_guard guard(g_protect_mutex);
+  if (--g_scopes == 0) {
+    std::shared_lock lock(registry().mutex);
+    protect_all(PROT_NONE);
+  }
+}
+
+}  // namespace openreg

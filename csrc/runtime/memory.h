@@ -1,0 +1,44 @@
+// Native because: the simulated device driver owns device memory (the role of cudaMalloc/cudaFree);
+// the caching allocator and every kernel launch call it from C++.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace openreg {
+
+// Driver-level allocation of a whole segment of device memory on `device`.
+// Returns nullptr when the device's capacity (OPENREG_DEVICE_MEMORY) would be exceeded,
+// like cudaMalloc returning cudaErrorMemoryAllocation. Never called per operator:
+// the caching allocator (csrc/adapters/device_allocator.cpp) sits in between.
+void* segment_alloc(int device, size_t size);
+void segment_free(void* ptr);
+
+// Bytes held in segments on `device` (what the driver would report as used).
+size_t driver_used(int device);
+
+// Device owning the address (anywhere inside a live segment), or -1 for host memory.
+int device_of_pointer(const void* ptr);
+
+// Memory isolation. In strict mode (OPENREG_STRICT_MEMORY=1) device pages are PROT_NONE to
+// the host except while a KernelScope is alive (a kernel or a copy run by the runtime), so a
+// host access through a raw device pointer faults with a message naming the device.
+bool strict_memory() noexcept;
+
+class KernelScope {
+ public:
+  KernelScope() {
+    if (strict_memory()) enter();
+  }
+  ~KernelScope() {
+    if (strict_memory()) leave();
+  }
+  KernelScope(const KernelScope&) = delete;
+  KernelScope& operator=(const KernelScope&) = delete;
+
+ private:
+  static void enter();
+  static void leave();
+};
+
+}  // namespace openreg

@@ -1,0 +1,26 @@
+"""Builds the native core `torch_openreg._C` from csrc/ with torch.utils.cpp_extension."""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources():
+    files = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    return files
+
+
+setup(
+    ext_modules=[
+        CppExtension(
+            name="torch_openreg._C",
+            sources=sources(),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

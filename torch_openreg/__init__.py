@@ -1,0 +1,38 @@
+"""torch_openreg: a simulated CUDA-like accelerator for PyTorch, integrated through PrivateUse1.
+
+Importing this package (or only ``import torch``, through autoload) makes the ``openreg`` device
+usable: ``torch.ones(2, device="openreg:1")``.
+"""
+
+import torch
+
+# The native core registers, when loaded: the device allocator, the pinned-memory allocator, the
+# DeviceGuard, the PrivateUse1 hooks, the generators, the minimal kernels and the fallback.
+from torch_openreg import _C  # noqa: F401
+from torch_openreg import openreg
+
+__all__ = ["openreg"]
+
+
+def _register() -> None:
+    # LITERALINCLUDE START: REGISTRATION
+    torch.utils.rename_privateuse1_backend("openreg")
+    torch._register_device_module("openreg", openreg)
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+    )
+    # LITERALINCLUDE END: REGISTRATION
+
+
+if torch._C._get_privateuse1_backend_name() != "openreg":
+    _register()
+
+
+# LITERALINCLUDE START: AUTOLOAD
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group, called by ``import torch``.
+
+    Importing this package already registered everything; there is nothing left to do.
+    Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop torch from importing it.
+    """
+# LITERALINCLUDE END: AUTOLOAD
