@@ -15,24 +15,24 @@ __all__ = ["openreg"]
 
 
 def _register() -> None:
-    # LITERALINCLUDE START: REGISTRATION
+    # [docs:start REGISTRATION]
     torch.utils.rename_privateuse1_backend("openreg")
     torch._register_device_module("openreg", openreg)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
-    # LITERALINCLUDE END: REGISTRATION
+    # [docs:end REGISTRATION]
 
 
 if torch._C._get_privateuse1_backend_name() != "openreg":
     _register()
 
 
-# LITERALINCLUDE START: AUTOLOAD
+# [docs:start AUTOLOAD]
 def _autoload() -> None:
     """Entry point of the ``torch.backends`` group, called by ``import torch``.
 
     Importing this package already registered everything; there is nothing left to do.
     Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop torch from importing it.
     """
-# LITERALINCLUDE END: AUTOLOAD
+# [docs:end AUTOLOAD]

@@ -237,10 +237,10 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 
 }  // namespace
 
-// LITERALINCLUDE START: FALLBACK GLOBAL
+// [docs:start FALLBACK_GLOBAL]
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
-// LITERALINCLUDE END: FALLBACK GLOBAL
+// [docs:end FALLBACK_GLOBAL]
 
 }  // namespace openreg

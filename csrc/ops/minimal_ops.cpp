@@ -45,7 +45,7 @@ void check_pin(std::optional<bool> pin_memory) {
   TORCH_CHECK(!pin_memory.value_or(false), "Only dense CPU tensors can be pinned");
 }
 
-// LITERALINCLUDE START: EMPTY.MEMORY_FORMAT
+// [docs:start EMPTY.MEMORY_FORMAT]
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout> layout,
                                std::optional<c10::Device> device, std::optional<bool> pin_memory,
@@ -57,7 +57,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                    c10::dtype_or_default(dtype), memory_format);
 }
-// LITERALINCLUDE END: EMPTY.MEMORY_FORMAT
+// [docs:end EMPTY.MEMORY_FORMAT]
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
@@ -147,7 +147,7 @@ void copy_between(const at::Tensor& dst, const at::Tensor& src) {
 
 bool pinned(const at::Tensor& host) { return is_pinned_pointer(host.const_data_ptr()); }
 
-// LITERALINCLUDE START: COPY_FROM
+// [docs:start COPY_FROM]
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool src_dev = self.device().type() == kOpenReg;
   const bool dst_dev = dst.device().type() == kOpenReg;
@@ -184,7 +184,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   else copy_between(k.alias(dst), self);
   return dst;
 }
-// LITERALINCLUDE END: COPY_FROM
+// [docs:end COPY_FROM]
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   resize_(dst, self.sizes(), std::nullopt);
@@ -229,7 +229,7 @@ void resize_storage_bytes(c10::StorageImpl* storage, size_t new_bytes) {
   storage->set_nbytes(new_bytes);
 }
 
-// LITERALINCLUDE START: TORCH_LIBRARY_IMPL
+// [docs:start TORCH_LIBRARY_IMPL]
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
@@ -246,6 +246,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
 }
-// LITERALINCLUDE END: TORCH_LIBRARY_IMPL
+// [docs:end TORCH_LIBRARY_IMPL]
 
 }  // namespace openreg
