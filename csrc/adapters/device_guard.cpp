@@ -57,6 +57,7 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int priority) const override {
     return to_c10(d.index(), stream_from_pool(d.index(), priority));
   }
+  void* getStreamNativeHandle(const c10::Stream s) const override { return from_c10(s); }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto old = getStream(s.device());
     set_current_stream_id(s.device_index(), s.id());

@@ -262,8 +262,8 @@ void wait_until(Clock::time_point deadline) {
     auto now = Clock::now();
     if (now >= deadline) return;
     auto left = deadline - now;
-    if (left > std::chrono::microseconds(400))
-      std::this_thread::sleep_for(left - std::chrono::microseconds(200));
+    if (left > std::chrono::microseconds(150))
+      std::this_thread::sleep_for(left - std::chrono::microseconds(80));
     else
       std::this_thread::yield();
   }
