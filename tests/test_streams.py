@@ -371,3 +371,34 @@ def test_async_error_after_a_queued_copy_does_not_lose_the_copy(device, slow_cop
     with pytest.raises(RuntimeError, match="late fault"):
         s.synchronize()
     assert torch.equal(host, expected())
+
+
+# ---------------------------------------------------------------- streams and the allocator
+
+
+def test_allocation_retry_waits_for_stream_work_without_deadlock():
+    """Out of memory, the allocator waits for the streams a freed block was recorded on; the work
+    it waits for (a queued copy) frees memory when it ends, which needs the allocator too."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        torch.openreg.set_copy_engine_config(latency_us=300_000)
+        side = torch.openreg.Stream(0)
+        a = torch.empty(5 << 20, device="openreg:0")  # 20 MB
+        a.record_stream(side)
+        b = torch.empty(5 << 20, device="openreg:0")
+        with torch.openreg.stream(side):
+            b.copy_(torch.ones(5 << 20).pin_memory(), non_blocking=True)  # queued, holds b
+        del a, b
+        c = torch.empty(12 << 20, device="openreg:0")  # 48 MB of 64: needs both blocks back
+        print("allocated", flush=True)
+    """)
+    env = dict(os.environ, OPENREG_DEVICE_MEMORY="64MB")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "allocated" in result.stdout
