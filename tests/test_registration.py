@@ -64,3 +64,13 @@ def test_torch_accelerator_reports_openreg():
     assert torch.accelerator.is_available()
     assert torch.accelerator.current_accelerator() == torch.device("openreg")
     assert torch.accelerator.device_count() == 2
+
+
+def test_importing_the_package_before_torch_works():
+    # torch's import runs the autoload while torch_openreg is still being imported.
+    r = run("import torch_openreg, torch; print(torch.ones(1, device='openreg:1').device)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "openreg:1"
+    r = run("import runpy, sys; sys.argv = ['x', '--steps', '2']; "
+            "runpy.run_module('torch_openreg.demo', run_name='__main__')")
+    assert r.returncode == 0, r.stderr

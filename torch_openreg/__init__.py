@@ -4,12 +4,25 @@ Importing this package (or only ``import torch``, through autoload) makes the ``
 usable: ``torch.ones(2, device="openreg:1")``.
 """
 
-import torch
+
+# [docs:start AUTOLOAD]
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group, called by ``import torch``.
+
+    Importing this package registers everything, so there is nothing left to do here. It is
+    defined before ``import torch`` on purpose: when a user imports torch_openreg first, torch's
+    own import runs the autoload while this module is still half-initialised, and must find it.
+    Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop torch from importing this package.
+    """
+# [docs:end AUTOLOAD]
+
+
+import torch  # noqa: E402
 
 # The native core registers, when loaded: the device allocator, the pinned-memory allocator, the
 # DeviceGuard, the PrivateUse1 hooks, the generators, the minimal kernels and the fallback.
-from torch_openreg import _C  # noqa: F401
-from torch_openreg import openreg
+from torch_openreg import _C  # noqa: E402,F401
+from torch_openreg import openreg  # noqa: E402
 
 __all__ = ["openreg"]
 
@@ -26,13 +39,3 @@ def _register() -> None:
 
 if torch._C._get_privateuse1_backend_name() != "openreg":
     _register()
-
-
-# [docs:start AUTOLOAD]
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group, called by ``import torch``.
-
-    Importing this package already registered everything; there is nothing left to do.
-    Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop torch from importing it.
-    """
-# [docs:end AUTOLOAD]

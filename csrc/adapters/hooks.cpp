@@ -20,6 +20,7 @@
 namespace openreg {
 namespace {
 
+// [docs:start HOOKS]
 struct OpenRegHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return device_count() > 0; }
@@ -68,6 +69,7 @@ struct OpenRegHooks final : public at::PrivateUse1HooksInterface {
 struct Registration {
   Registration() { at::RegisterPrivateUse1HooksInterface(new OpenRegHooks()); }
 } g_registration;
+// [docs:end HOOKS]
 
 }  // namespace
 }  // namespace openreg

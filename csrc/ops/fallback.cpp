@@ -6,6 +6,8 @@
 // kernel is called, and what it returns becomes device tensors again without copies (see
 // ops/cpu_kernel.h). The fallback also enforces what a real device would: all tensors on the same
 // device, random numbers from the device's generator, stream order.
+#include "ops/fallback.h"
+
 #include "adapters/generator.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
@@ -15,6 +17,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -236,6 +240,31 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 }
 
 }  // namespace
+
+// Operators whose PrivateUse1 slot PyTorch fills with a composite kernel (structured operators'
+// functional and in-place wrappers, foreach operators) although a CPU kernel does the job in one
+// call: through the composite, `mul` would allocate its output and run its meta function, then run
+// the CPU `mul.out` kernel, which runs the meta function again; a foreach operator would reach the
+// fallback once per tensor. Registering the fallback for them directly runs the CPU kernel once.
+// Done when the Python module loads, after every static registration of the process.
+void route_composites_to_fallback() {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  static auto* library = new torch::Library(torch::Library::IMPL, "aten",
+                                            c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    const bool composite =
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+    const bool foreach = std::string_view(name.name).rfind("aten::_foreach_", 0) == 0;
+    if (!composite || !(foreach || op->hasKernelForDispatchKey(c10::DispatchKey::CPU))) continue;
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+}
 
 // [docs:start FALLBACK_GLOBAL]
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -2,6 +2,7 @@
 // torch_openreg/openreg (the torch.openreg device module). Grouped by mechanism.
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
+#include "ops/fallback.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 
@@ -12,6 +13,9 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Native core of torch_openreg: the simulated device runtime and its PyTorch adapters";
+
+  // ---- operators (ops/fallback.cpp): after every static registration of the process
+  openreg::route_composites_to_fallback();
 
   // ---- device (runtime/device.cpp)
   m.def("_device_count", &openreg::device_count);

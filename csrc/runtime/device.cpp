@@ -57,11 +57,13 @@ size_t parse_size(const char* text, size_t fallback) {
   return static_cast<size_t>(value * mult);
 }
 
+// [docs:start ATFORK]
 void mark_child_after_fork() {
   // Worker threads and device state do not survive fork(): a child of an initialised
   // process must not touch the runtime.
   if (g_initialized.load()) detail::g_bad_fork = true;
 }
+// [docs:end ATFORK]
 
 }  // namespace
 
@@ -91,6 +93,7 @@ void set_current_device(int index) {
   tls_current_device = index;
 }
 
+// [docs:start FORK]
 void detail::raise_bad_fork() {
   TORCH_CHECK(
       false,
@@ -107,6 +110,8 @@ void lazy_init() {
               std::getenv("OPENREG_DEVICE_COUNT") ? std::getenv("OPENREG_DEVICE_COUNT") : "", ")");
   g_initialized.store(true, std::memory_order_release);
 }
+
+// [docs:end FORK]
 
 bool is_initialized() noexcept { return g_initialized.load() && !detail::g_bad_fork; }
 bool in_bad_fork() noexcept { return detail::g_bad_fork; }

@@ -65,6 +65,7 @@ def _is_in_bad_fork() -> bool:
     return _C._is_in_bad_fork()
 
 
+# [docs:start LAZY_INIT]
 def _lazy_init() -> None:
     """Initialises the runtime on first use; called by torch for every openreg factory call."""
     global _initialized
@@ -73,6 +74,7 @@ def _lazy_init() -> None:
     with _init_lock:
         _C._init()  # raises in a child forked from an initialised process
         _initialized = True
+# [docs:end LAZY_INIT]
 
 
 def init() -> None:

@@ -1,0 +1,101 @@
+"""The workloads measured by benchmarks/run.py and shown by the demo: each builds its state on a
+device and returns a step function; the same seed gives the same model on every device."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+Step = Callable[[], None]
+
+
+def tiny_adds(device: str, n: int = 100) -> Step:
+    """A loop of `n` adds on 4-element tensors: the per-operator overhead."""
+    x = torch.ones(4, device=device)
+
+    def step() -> None:
+        y = x
+        for _ in range(n):
+            y = y + x
+        y.sum().item()  # waits for the device, as a real loop would
+
+    return step
+
+
+def _train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                loss_fn: Callable, lr: float = 0.01) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def step() -> None:
+        loss = loss_fn(model(inputs), targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    return step
+
+
+def mlp(device: str) -> Step:
+    """MLP 784-256-256-10, batch 64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10)).to(device)
+    x = torch.randn(64, 784).to(device)
+    y = torch.randint(0, 10, (64,)).to(device)
+    return _train_step(model, x, y, nn.functional.cross_entropy)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def cnn(device: str) -> Step:
+    """Two conv+BatchNorm+pool blocks and a linear head, 3x32x32 inputs, batch 32."""
+    torch.manual_seed(0)
+    model = SmallCNN().to(device)
+    x = torch.randn(32, 3, 32, 32).to(device)
+    y = torch.randint(0, 10, (32,)).to(device)
+    return _train_step(model, x, y, nn.functional.cross_entropy)
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self, d_model: int = 64, vocab: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=128, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+def transformer(device: str) -> Step:
+    """2-layer TransformerEncoder (d_model 64, 4 heads), batch 16 x 32 tokens."""
+    torch.manual_seed(0)
+    model = SmallTransformer().to(device)
+    tokens = torch.randint(0, 100, (16, 32)).to(device)
+    targets = torch.randint(0, 100, (16, 32)).to(device)
+    return _train_step(model, tokens, targets,
+                       lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()))
+
+
+WORKLOADS = {
+    "tiny_adds": (tiny_adds, 3.0),  # (builder, target ratio openreg/cpu)
+    "mlp_train_step": (mlp, 1.2),
+    "cnn_train_step": (cnn, 1.2),
+    "transformer_train_step": (transformer, 1.2),
+}
