@@ -1,10 +1,12 @@
 """Per-step cost of the operators openreg implements itself (csrc/ops/overrideable_ops.cpp),
 against the same computation on the CPU.
 
-    PYTHONPATH=. python benchmarks/overrideable_ops.py
+    PYTHONPATH=. python benchmarks/overrideable_ops.py [--threads N]
 
-Prints the median time of each case on cpu and openreg:0 and their ratio.
+Rounds alternate the CPU and openreg:0 so that both see the same machine load; the reported
+time is the median over all measured steps, the ratio is openreg / CPU.
 """
+import argparse
 import statistics
 import time
 
@@ -13,18 +15,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def median_time(fn, device, warmup=5, repeat=30):
+def measure(fn, device, n):
     sync = torch.openreg.synchronize if device.startswith("openreg") else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
     times = []
-    for _ in range(repeat):
+    for _ in range(n):
         start = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def compare(make, rounds=5, steps=10):
+    cpu_step, dev_step = make("cpu"), make("openreg:0")
+    measure(cpu_step, "cpu", 3)
+    measure(dev_step, "openreg:0", 3)
+    cpu, dev = [], []
+    for _ in range(rounds):
+        cpu += measure(cpu_step, "cpu", steps)
+        dev += measure(dev_step, "openreg:0", steps)
+    return statistics.median(cpu), statistics.median(dev)
 
 
 def conv_train_step(device):
@@ -86,11 +96,19 @@ CASES = {
 
 
 def main():
-    print(f"{'case':45s} {'cpu ms':>8s} {'openreg ms':>11s} {'ratio':>6s}")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (1 avoids OpenMP stalls on a loaded machine)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads\n")
+    print("| case | cpu ms | openreg ms | ratio |")
+    print("|---|---|---|---|")
     for name, make in CASES.items():
-        cpu = median_time(make("cpu"), "cpu")
-        dev = median_time(make("openreg:0"), "openreg:0")
-        print(f"{name:45s} {cpu * 1e3:8.3f} {dev * 1e3:11.3f} {dev / cpu:6.2f}")
+        cpu, dev = compare(make)
+        print(f"| {name} | {cpu * 1e3:.3f} | {dev * 1e3:.3f} | {dev / cpu:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Operators ATen calls only for accelerators, implemented by openreg (csrc/ops/overrideable_ops.cpp):
-convolution_overrideable and its backward, native_dropout from the device generator, and the
-fused ("overrideable") scaled dot product attention chosen through _fused_sdp_choice.
+"""Operators ATen calls only for accelerators, implemented by openreg
+(csrc/ops/overrideable_ops.cpp): convolution_overrideable and its backward, native_dropout from
+the device generator, and the fused ("overrideable") scaled dot product attention chosen through
+_fused_sdp_choice.
 
 Every result is compared with the same computation on the CPU. The RNN cells are in test_rnn.py.
 """
@@ -13,11 +14,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 
-def to_device(tensors, device, requires_grad=True):
-    return [
-        None if t is None else t.detach().to(device).requires_grad_(requires_grad and t.requires_grad)
-        for t in tensors
-    ]
+def to_device(tensors, device):
+    """Device copies of CPU tensors, as leaves that require grad like the originals."""
+    return [None if t is None else t.detach().to(device).requires_grad_(t.requires_grad)
+            for t in tensors]
 
 
 def seed_device(device, seed):
@@ -112,7 +112,8 @@ def test_convolution_runs_the_overrideable_kernels(device):
 def test_convolution_backward_overrideable_output_mask(device, output_mask):
     torch.manual_seed(0)
     x, w = torch.randn(2, 4, 7, 7), torch.randn(6, 2, 3, 3)
-    args = ([2, 1], [1, 0], [1, 2], False, [0, 0], 2)  # stride padding dilation transposed out_pad groups
+    # stride, padding, dilation, transposed, output_padding, groups
+    args = ([2, 1], [1, 0], [1, 2], False, [0, 0], 2)
     y = torch.ops.aten.convolution_overrideable(x.to(device), w.to(device), None, *args)
     torch.testing.assert_close(y.cpu(), torch.ops.aten.convolution(x, w, None, *args))
     go = torch.randn(y.shape)
@@ -240,6 +241,9 @@ def test_sdpa_runs_the_fused_kernel_not_math(device):
     assert "aten::_scaled_dot_product_fused_attention_overrideable_backward" in ops
     assert "aten::_scaled_dot_product_attention_math" not in ops
     assert not any("softmax" in name for name in ops)  # the math path's softmax
+    # Inside, for these inputs: the CPU's flash kernels, run on the device memory.
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
 
 
 def test_sdpa_falls_back_to_math_or_raises():
@@ -270,6 +274,20 @@ def test_sdpa_matches_math(device, case):
     kwargs = dict(ATTENTION_CASES[case])
     q, k, v = attention_inputs(*kwargs.pop("shapes"))
     check_attention(device, q, k, v, **kwargs)
+
+
+def test_sdpa_general_path(device):
+    # Inputs the CPU flash kernel does not take (a last dimension that is not contiguous, grouped
+    # heads with a mask that needs a gradient) run on openreg's own attention kernel.
+    for kwargs in (dict(is_causal=True), dict(scale=0.2)):
+        q, k, v = (t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+                   for t in attention_inputs((2, 3, 5, 8), (2, 3, 7, 8)))
+        assert q.detach().to(device).stride(-1) != 1
+        ops = profiled_ops(lambda: check_attention(device, q, k, v, **kwargs))
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops
+    q, k, v = attention_inputs((2, 4, 5, 8), (2, 2, 7, 8))
+    mask = torch.randn(2, 1, 5, 7, requires_grad=True)
+    check_attention(device, q, k, v, mask=mask, enable_gqa=True)
 
 
 @pytest.mark.parametrize("mask_shape", [(5, 7), (2, 1, 5, 7), (2, 3, 5, 7)])

@@ -323,7 +323,8 @@ def test_low_precision_lstm(device):
 
 def test_cell_shape_and_device_errors():
     d = "openreg:0"
-    ig, hg, cx = torch.randn(3, 20, device=d), torch.randn(3, 20, device=d), torch.randn(3, 5, device=d)
+    ig, hg = torch.randn(3, 20, device=d), torch.randn(3, 20, device=d)
+    cx = torch.randn(3, 5, device=d)
     lstm_cell = torch.ops.aten._thnn_fused_lstm_cell
     with pytest.raises(RuntimeError, match="same size"):
         lstm_cell(ig, torch.randn(3, 16, device=d), cx)

@@ -124,8 +124,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
 // `OPENREG_SIMD` promises that outputs and inputs do not overlap), and ATen's vectorized CPU
 // kernels, in place, for the transcendental functions. The forward saves a "workspace" with the
 // activated gates, from which the backward needs no transcendental function but tanh(cy). The
-// layouts are CUDA's, so the composite ATen code around them (_thnn_fused_lstm_cell_backward,
-// the double-backward formulas) works unchanged:
+// workspace layouts are CUDA's, so code that calls these operators directly sees the same thing:
 //   LSTM workspace [B, 4H]: sigmoid(i) | sigmoid(f) | tanh(g) | sigmoid(o)
 //   GRU  workspace [B, 5H]: sigmoid(r) | sigmoid(z) | tanh(n) | hx | hidden_gates_n + bias_n
 
@@ -200,8 +199,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
 
   at::Tensor workspace = at::empty({B, 4 * H}, ig.options());
   at::Tensor cy = at::empty({B, H}, ig.options());
-  // Pre-activations. The cell candidate is doubled: tanh(x) = 2 sigmoid(2x) - 1, so that a single
-  // vectorized sigmoid over the whole workspace activates the four gates.
+  // Pre-activations. In float32/64 the cell candidate is doubled: tanh(x) = 2 sigmoid(2x) - 1, so
+  // that a single vectorized sigmoid over the whole workspace activates the four gates (in 16-bit
+  // types, 2 sigmoid - 1 would lose too much precision near 0: a separate tanh there).
+  const bool tanh_by_sigmoid = ig.scalar_type() == at::kFloat || ig.scalar_type() == at::kDouble;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ig.scalar_type(), "lstm_cell", [&] {
     const scalar_t *pi = ig.const_data_ptr<scalar_t>(), *ph = hg.const_data_ptr<scalar_t>();
     const scalar_t *pbi = data_or_null<scalar_t>(bi), *pbh = data_or_null<scalar_t>(bh);
@@ -211,11 +212,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
         for (int64_t gate = 0; gate < 4; ++gate) {
           const int64_t o = b * 4 * H + gate * H, ob = gate * H;
           sum_gates<scalar_t>(w + o, pi + o, ph + o, pbi ? pbi + ob : nullptr,
-                              pbh ? pbh + ob : nullptr, H, gate == 2 ? 2 : 1);
+                              pbh ? pbh + ob : nullptr, H, gate == 2 && tanh_by_sigmoid ? 2 : 1);
         }
     });
   });
-  workspace.sigmoid_();
+  if (tanh_by_sigmoid) {
+    workspace.sigmoid_();
+  } else {
+    workspace.narrow(1, 0, 2 * H).sigmoid_();
+    workspace.narrow(1, 2 * H, H).tanh_();
+    workspace.narrow(1, 3 * H, H).sigmoid_();
+  }
   at::Tensor hy;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ig.scalar_type(), "lstm_cell", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -229,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
         scalar_t* yb = py + b * H;
         OPENREG_SIMD
         for (int64_t j = 0; j < H; ++j) {  // g = tanh(x); cy = f * cx + i * g
-          const acc_t g = acc_t(2) * acc_t(row[2 * H + j]) - acc_t(1);
+          const acc_t s = row[2 * H + j];
+          const acc_t g = tanh_by_sigmoid ? acc_t(2) * s - acc_t(1) : s;
           row[2 * H + j] = scalar_t(g);
           yb[j] = scalar_t(acc_t(row[H + j]) * acc_t(cb[j]) + acc_t(row[j]) * g);
         }
@@ -298,7 +306,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward_impl(
   return {k.result(grad_gates), k.result(grad_cx), k.result(grad_bias)};
 }
 
-// [docs:start GRU_CELL]
 std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& input_gates,
                                                   const at::Tensor& hidden_gates,
                                                   const at::Tensor& hx,
@@ -372,7 +379,6 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& input_gates,
   });
   return {k.result(hy), k.result(workspace)};
 }
-// [docs:end GRU_CELL]
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_cell_backward(
     const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias) {
@@ -454,7 +460,9 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
 //
 // The fused kernel never keeps the [L, S] attention matrix between forward and backward: the
 // forward saves the log-sum-exp of each row and the seed of its dropout mask; the backward
-// recomputes the probabilities from them, as flash attention does on GPUs.
+// recomputes the probabilities from them, as flash attention does on GPUs. Two implementations:
+// the CPU's flash-attention kernels where they apply (host_flash_supports), and openreg's own,
+// written with ATen CPU operators, for everything else.
 //   query [B, Hq, L, E] (or [Hq, L, E]); key [B, Hkv, S, E]; value [B, Hkv, S, Ev]
 //   Hq may be a multiple of Hkv (grouped-query attention, key/value head h serves query heads
 //   h*G .. h*G+G-1).
@@ -523,6 +531,43 @@ at::Tensor empty_like_query_layout(const at::Tensor& q, c10::IntArrayRef sizes) 
     s *= sizes[order[i]];
   }
   return at::empty_strided(sizes, strides, q.options());
+}
+
+// `o` (the attention output, or a gradient) in the layout of `like`, as the meta function says.
+at::Tensor in_layout_of(const at::Tensor& o, const at::Tensor& like) {
+  if (o.scalar_type() == like.scalar_type()) {
+    if (o.sizes() == like.sizes() && like.is_non_overlapping_and_dense() &&
+        o.strides() == like.strides())
+      return o;
+    if (like.is_contiguous() && o.is_contiguous()) return o;
+  }
+  at::Tensor r = empty_like_query_layout(like, o.sizes());
+  r.copy_(o);
+  return r;
+}
+
+// The CPU's flash-attention kernels (forward and backward) cover the common case: no dropout, as
+// many key/value heads as query heads, one head size. openreg runs them on the device memory; the
+// general path covers the rest (dropout, grouped-query attention, a value head size of its own,
+// the gradient of attn_bias, float64 gradients from the float32 log-sum-exp).
+bool host_flash_supports(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         double dropout_p) {
+  return dropout_p == 0 && q.size(-3) == k.size(-3) && q.size(-1) == v.size(-1) &&
+         q.size(-2) > 0 && k.size(-2) > 0 && q.stride(-1) == 1 && k.stride(-1) == 1 &&
+         v.stride(-1) == 1;
+}
+
+// 4-D views for the flash kernels: [B, H, L, E] inputs; a 2-D or 4-D mask.
+at::Tensor as_4d(const at::Tensor& t) {
+  if (!t.defined() || t.dim() == 4) return t;
+  std::vector<int64_t> sizes(4 - t.dim(), 1);
+  sizes.insert(sizes.end(), t.sizes().begin(), t.sizes().end());
+  return t.view(sizes);
+}
+std::optional<at::Tensor> flash_mask(const at::Tensor& bias) {
+  if (!bias.defined()) return std::nullopt;
+  at::Tensor m = bias.dim() == 2 ? bias : as_4d(bias);
+  return m.stride(-1) == 1 ? m : m.contiguous();
 }
 
 // Key/value heads repeated for grouped-query attention, and the reduction of their gradients.
@@ -611,35 +656,38 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   at::Tensor out, lse, debug_mask;
   {
     HostKernel k(device);
-    const at::ScalarType ct = compute_type(query.scalar_type());
-    const at::Tensor q = k.alias(query).to(ct);
-    const at::Tensor kk = repeat_heads(k.alias(key).to(ct), groups);
-    const at::Tensor v = repeat_heads(k.alias(value).to(ct), groups);
-    const at::Tensor bias = bias_dev.defined() ? k.alias(bias_dev).to(ct) : at::Tensor();
-
-    at::Tensor p = attention_scores(q, kk, bias, is_causal, softmax_scale(query, scale));
-    at::Tensor row_lse = at::logsumexp(p, -1, /*keepdim=*/true);
-    fix_empty_rows(row_lse);
-    p.sub_(row_lse).exp_();  // softmax probabilities
-    if (dropout_p > 0) {
-      at::Tensor keep = dropout_keep_mask(seed, p.sizes(), dropout_p);
-      p.mul_(keep).mul_(1. / (1. - dropout_p));
-      if (return_debug_mask) debug_mask = keep;
-    }
-    at::Tensor o = at::matmul(p, v);
-    std::vector<int64_t> out_sizes = query.sizes().vec();
-    out_sizes.back() = value.size(-1);
     const at::Tensor q_alias = k.alias(query);
-    at::Tensor out_cpu = o;  // contiguous, the layout of a contiguous query
-    if (o.scalar_type() != query.scalar_type() || !q_alias.is_contiguous()) {
-      out_cpu = empty_like_query_layout(q_alias, out_sizes);
-      out_cpu.copy_(o);
+    at::Tensor o, row_lse;  // row_lse: [.., L] or [.., L, 1]
+    if (host_flash_supports(query, key, value, dropout_p)) {
+      auto [o4, lse4] = at::_scaled_dot_product_flash_attention_for_cpu(
+          as_4d(q_alias), as_4d(k.alias(key)), as_4d(k.alias(value)), 0.0, is_causal,
+          flash_mask(bias_dev.defined() ? k.alias(bias_dev) : at::Tensor()), scale);
+      o = query.dim() == 3 ? o4.squeeze(0) : o4;
+      row_lse = lse4;
+    } else {
+      const at::ScalarType ct = compute_type(query.scalar_type());
+      const at::Tensor q = q_alias.to(ct);
+      const at::Tensor kk = repeat_heads(k.alias(key).to(ct), groups);
+      const at::Tensor v = repeat_heads(k.alias(value).to(ct), groups);
+      const at::Tensor bias = bias_dev.defined() ? k.alias(bias_dev).to(ct) : at::Tensor();
+
+      at::Tensor p = attention_scores(q, kk, bias, is_causal, softmax_scale(query, scale));
+      row_lse = at::logsumexp(p, -1, /*keepdim=*/true);
+      fix_empty_rows(row_lse);
+      p.sub_(row_lse).exp_();  // softmax probabilities
+      if (dropout_p > 0) {
+        at::Tensor keep = dropout_keep_mask(seed, p.sizes(), dropout_p);
+        p.mul_(keep).mul_(1. / (1. - dropout_p));
+        if (return_debug_mask) debug_mask = keep;
+      }
+      o = at::matmul(p, v);
     }
     // The log-sum-exp is float32 and [B, H, L] (B = 1 for 3-D inputs), as the meta function says.
-    at::Tensor lse_cpu = row_lse.squeeze(-1).to(at::kFloat);
-    if (query.dim() == 3) lse_cpu = lse_cpu.unsqueeze(0);
-    out = k.result(out_cpu);
-    lse = k.result(lse_cpu.contiguous());
+    const int64_t batch = query.dim() == 4 ? query.size(0) : 1;
+    at::Tensor lse_cpu =
+        row_lse.reshape({batch, query.size(-3), L}).to(at::kFloat).contiguous();
+    out = k.result(in_layout_of(o, q_alias));
+    lse = k.result(lse_cpu);
     if (debug_mask.defined()) debug_mask = k.result(debug_mask);
   }
   // Seed and offset of the dropout mask, as host scalars (like CUDA outside graph capture).
@@ -650,7 +698,6 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 }
 // [docs:end SDPA_FORWARD]
 
-// [docs:start SDPA_BACKWARD]
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& attn_bias, std::array<bool, 4> grad_input_mask,
@@ -666,59 +713,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backw
       dropout_p > 0 ? static_cast<uint64_t>(philox_seed.item<int64_t>()) : 0;
   const int64_t groups = query.size(-3) / key.size(-3);
   const double sm_scale = softmax_scale(query, scale);
+  const bool bias_grad = grad_input_mask[3] && attn_bias.defined();
 
   HostKernel k(device);
-  const at::ScalarType ct = compute_type(query.scalar_type());
-  const at::Tensor q = k.alias(query).to(ct);
-  const at::Tensor kk = repeat_heads(k.alias(key).to(ct), groups);
-  const at::Tensor v = repeat_heads(k.alias(value).to(ct), groups);
-  const at::Tensor bias = attn_bias.defined() ? k.alias(attn_bias).to(ct) : at::Tensor();
-  const at::Tensor dout = k.alias(grad_out).to(ct);
-
-  // Probabilities again, from the saved log-sum-exp (float32; recomputed for float64 inputs,
-  // whose gradients need the full precision).
-  at::Tensor p = attention_scores(q, kk, bias, is_causal, sm_scale);
-  at::Tensor row_lse;
-  if (ct == at::kDouble) {
-    row_lse = at::logsumexp(p, -1, /*keepdim=*/true);
-    fix_empty_rows(row_lse);
-  } else {
-    row_lse = k.alias(logsumexp).reshape(p.sizes().slice(0, p.dim() - 1)).unsqueeze(-1);
-  }
-  p.sub_(row_lse).exp_();
-  at::Tensor keep;
-  const double keep_scale = dropout_p > 0 ? 1. / (1. - dropout_p) : 1.;
-  if (dropout_p > 0) keep = dropout_keep_mask(seed, p.sizes(), dropout_p);
-
   at::Tensor grad_q, grad_k, grad_v, grad_bias;
-  if (grad_input_mask[2]) {  // dV = dropout(P)^T dO
-    at::Tensor pd = dropout_p > 0 ? p.mul(keep).mul_(keep_scale) : p;
-    grad_v = sum_heads(at::matmul(pd.transpose(-2, -1), dout), groups);
+  if (host_flash_supports(query, key, value, dropout_p) && !bias_grad &&
+      query.scalar_type() != at::kDouble) {
+    at::Tensor dout = k.alias(grad_out);
+    if (dout.stride(-1) != 1) dout = dout.contiguous();
+    std::tie(grad_q, grad_k, grad_v) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        as_4d(dout), as_4d(k.alias(query)), as_4d(k.alias(key)), as_4d(k.alias(value)),
+        as_4d(k.alias(out)), k.alias(logsumexp), 0.0, is_causal,
+        flash_mask(attn_bias.defined() ? k.alias(attn_bias) : at::Tensor()), scale);
+    if (query.dim() == 3) {
+      grad_q = grad_q.squeeze(0);
+      grad_k = grad_k.squeeze(0);
+      grad_v = grad_v.squeeze(0);
+    }
+  } else {
+    const at::ScalarType ct = compute_type(query.scalar_type());
+    const at::Tensor q = k.alias(query).to(ct);
+    const at::Tensor kk = repeat_heads(k.alias(key).to(ct), groups);
+    const at::Tensor v = repeat_heads(k.alias(value).to(ct), groups);
+    const at::Tensor bias = attn_bias.defined() ? k.alias(attn_bias).to(ct) : at::Tensor();
+    const at::Tensor dout = k.alias(grad_out).to(ct);
+
+    // Probabilities again, from the saved log-sum-exp (float32; recomputed for float64 inputs,
+    // whose gradients need the full precision).
+    at::Tensor p = attention_scores(q, kk, bias, is_causal, sm_scale);
+    at::Tensor row_lse;
+    if (ct == at::kDouble) {
+      row_lse = at::logsumexp(p, -1, /*keepdim=*/true);
+      fix_empty_rows(row_lse);
+    } else {
+      row_lse = k.alias(logsumexp).reshape(p.sizes().slice(0, p.dim() - 1)).unsqueeze(-1);
+    }
+    p.sub_(row_lse).exp_();
+    at::Tensor keep;
+    const double keep_scale = dropout_p > 0 ? 1. / (1. - dropout_p) : 1.;
+    if (dropout_p > 0) keep = dropout_keep_mask(seed, p.sizes(), dropout_p);
+
+    if (grad_input_mask[2]) {  // dV = dropout(P)^T dO
+      at::Tensor pd = dropout_p > 0 ? p.mul(keep).mul_(keep_scale) : p;
+      grad_v = sum_heads(at::matmul(pd.transpose(-2, -1), dout), groups);
+    }
+    if (grad_input_mask[0] || grad_input_mask[1] || bias_grad) {
+      at::Tensor ds = at::matmul(dout, v.transpose(-2, -1));  // d(dropout(P))
+      if (dropout_p > 0) ds.mul_(keep).mul_(keep_scale);       // dP
+      // Softmax backward: dS = P * (dP - rowsum(P * dP)).
+      at::Tensor row_dot = (p * ds).sum(-1, /*keepdim=*/true);
+      ds.sub_(row_dot).mul_(p);
+      if (grad_input_mask[0]) grad_q = at::matmul(ds, kk).mul_(sm_scale);
+      if (grad_input_mask[1])
+        grad_k = sum_heads(at::matmul(ds.transpose(-2, -1), q).mul_(sm_scale), groups);
+      if (bias_grad) grad_bias = at::sum_to(ds, bias.sizes());
+    }
   }
-  if (grad_input_mask[0] || grad_input_mask[1] || grad_input_mask[3]) {
-    at::Tensor ds = at::matmul(dout, v.transpose(-2, -1));  // d(dropout(P))
-    if (dropout_p > 0) ds.mul_(keep).mul_(keep_scale);       // dP
-    // Softmax backward: dS = P * (dP - rowsum(P * dP)).
-    at::Tensor row_dot = (p * ds).sum(-1, /*keepdim=*/true);
-    ds.sub_(row_dot).mul_(p);
-    if (grad_input_mask[0]) grad_q = at::matmul(ds, kk).mul_(sm_scale);
-    if (grad_input_mask[1])
-      grad_k = sum_heads(at::matmul(ds.transpose(-2, -1), q).mul_(sm_scale), groups);
-    if (grad_input_mask[3] && bias.defined()) grad_bias = at::sum_to(ds, bias.sizes());
-  }
-  auto finish = [&](const at::Tensor& g, const at::Tensor& like) {
-    if (!g.defined()) return at::Tensor();
-    const at::Tensor input = k.alias(like);
-    if (g.scalar_type() == input.scalar_type() && g.strides() == input.strides())
-      return k.result(g);
-    at::Tensor r = at::empty_like(input);  // the layout of the input, like the meta function
-    r.copy_(g);
-    return k.result(r);
+  // The gradients asked for, each in the layout of its input (as the meta function says).
+  auto finish = [&](const at::Tensor& g, const at::Tensor& like, bool wanted) {
+    return g.defined() && wanted ? k.result(in_layout_of(g, k.alias(like))) : at::Tensor();
   };
-  return {finish(grad_q, query), finish(grad_k, key), finish(grad_v, value),
-          finish(grad_bias, attn_bias)};
+  return {finish(grad_q, query, grad_input_mask[0]), finish(grad_k, key, grad_input_mask[1]),
+          finish(grad_v, value, grad_input_mask[2]), finish(grad_bias, attn_bias, bias_grad)};
 }
-// [docs:end SDPA_BACKWARD]
 
 }  // namespace
 
