@@ -142,6 +142,27 @@ def test_training_matches_cpu(device, name, cpu_results):
     assert torch.openreg.memory_allocated(other) == other_before
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_memory_is_steady_and_released(device, name):
+    torch.openreg.synchronize()
+    baseline = torch.openreg.memory_allocated(device)
+    factory, data, loss_fn, make_opt = MODELS[name]
+    torch.manual_seed(0)
+    model = factory().to(device)
+    opt = make_opt(model.parameters())
+    x, y = (t.to(device) for t in data())
+    per_step = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        torch.openreg.synchronize()
+        per_step.append(torch.openreg.memory_allocated(device))
+    assert per_step[1] == per_step[-1]  # no growth once the optimizer state exists
+    del model, opt, x, y
+    assert torch.openreg.memory_allocated(device) == baseline
+
+
 def profiled(fn):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()

@@ -99,6 +99,18 @@ def test_convolution_channels_last_and_double(device):
     torch.testing.assert_close(wd.grad.cpu(), w.grad)
 
 
+def test_convolution_double_backward(device):
+    # Gradient penalties differentiate through the convolution's backward (composite ATen code
+    # that calls the overrideable kernels again).
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=g, dtype=torch.double).to(device).requires_grad_()
+               for s in ((1, 2, 5, 5), (3, 2, 3, 3), (3,)))
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: F.conv2d(x, w, b, padding=1, stride=2), (x, w, b))
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: F.conv_transpose2d(x, w.transpose(0, 1), b, stride=2), (x, w, b))
+
+
 def test_convolution_runs_the_overrideable_kernels(device):
     conv = torch.nn.Conv2d(3, 4, 3).to(device)
     x = torch.randn(2, 3, 8, 8, device=device, requires_grad=True)
