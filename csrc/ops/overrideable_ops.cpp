@@ -169,7 +169,7 @@ at::Tensor contiguous_alias(HostKernel& k, const at::Tensor& t) {
   return t.defined() ? k.alias(t).contiguous() : at::Tensor();
 }
 
-// Row b of out[.., cols] (row stride out_stride) = a + b (+ bias1 + bias2), times `factor`.
+// out[j] = factor * (a[j] + b[j] (+ bias1[j] + bias2[j])) for j < cols: one row of gates.
 template <typename scalar_t>
 void sum_gates(scalar_t* out, const scalar_t* a, const scalar_t* b, const scalar_t* bias1,
                const scalar_t* bias2, int64_t cols, at::opmath_type<scalar_t> factor) {
