@@ -9,6 +9,7 @@ time is the median over all measured steps, the ratio is openreg / CPU.
 import argparse
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -66,6 +67,21 @@ def lstm_forward(device, hidden=128, seq=32, batch=16):
     return step
 
 
+def lstm_forward_per_step_cpu(device):
+    """The same LSTM forward; on the CPU with oneDNN off, so that the CPU too runs one cell per
+    time step (the path ATen takes on every accelerator)."""
+    step = lstm_forward(device)
+    if device != "cpu":
+        return step
+
+    def cpu_step():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a notice about TF32 on Intel GPUs
+            with torch.backends.mkldnn.flags(enabled=False):
+                step()
+    return cpu_step
+
+
 def lstm_train_step(device, hidden=128, seq=32, batch=16):
     torch.manual_seed(0)
     lstm = nn.LSTM(64, hidden, num_layers=2).to(device)
@@ -90,6 +106,7 @@ def attention_train_step(device):
 CASES = {
     "conv train step (2 conv, b16 32x32)": conv_train_step,
     "LSTM forward (2 layers, h128, seq32, b16)": lstm_forward,
+    "LSTM forward, CPU per time step (oneDNN off)": lstm_forward_per_step_cpu,
     "LSTM train step (same)": lstm_train_step,
     "SDPA fwd+bwd (8x4x64x32, causal)": attention_train_step,
 }
