@@ -19,7 +19,8 @@ setup(
             name="torch_openreg._C",
             sources=sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"],
+            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
+                                "-fopenmp-simd"],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
