@@ -85,7 +85,7 @@ class DeviceCache {
   explicit DeviceCache(int device) : device_(device), limit_(device_capacity()) {}
 
   Block* malloc(size_t requested, int64_t stream) {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     process_outstanding();
     size_t size = round_size(requested);
     bool small = size <= kSmallSize;
@@ -97,7 +97,7 @@ class DeviceCache {
       if (mem == nullptr) {
         // Like CUDA: release every cached segment and try once more before failing.
         stats_.num_alloc_retries++;
-        wait_outstanding();
+        wait_outstanding(lock);
         release_cached();
         mem = reserve(segment_size);
       }
@@ -175,8 +175,8 @@ class DeviceCache {
   }
 
   void empty_cache() {
-    std::lock_guard lock(mutex_);
-    wait_outstanding();
+    std::unique_lock lock(mutex_);
+    wait_outstanding(lock);
     release_cached();
   }
 
@@ -293,13 +293,17 @@ class DeviceCache {
     }
   }
 
-  void wait_outstanding() {
-    while (!outstanding_.empty()) {
-      auto [event, block] = std::move(outstanding_.front());
-      outstanding_.pop_front();
-      event_synchronize(event);
-      if (--block->pending_events == 0) release_block(block);
-    }
+  // Waits with the mutex released: the stream work these events wait for may itself need the
+  // allocator (a stream worker frees the tensors of a finished task), so waiting while holding
+  // the mutex could deadlock.
+  void wait_outstanding(std::unique_lock<std::mutex>& lock) {
+    if (outstanding_.empty()) return;
+    std::vector<EventPtr> events;
+    for (auto& entry : outstanding_) events.push_back(entry.first);
+    lock.unlock();
+    for (auto& event : events) event_synchronize(event);
+    lock.lock();
+    process_outstanding();
   }
 
   // Gives every free, unsplit segment back to the driver.

@@ -44,6 +44,7 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (d.index() >= 0 && d.index() < device_count()) set_current_device(d.index());
   }
 
+  // [docs:start GUARD_STREAMS]
   c10::Stream getStream(c10::Device d) const override {
     check_device(d.index());
     return to_c10(d.index(), current_stream_id(d.index()));
@@ -56,16 +57,19 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device d, int priority) const override {
     return to_c10(d.index(), stream_from_pool(d.index(), priority));
   }
+  void* getStreamNativeHandle(const c10::Stream s) const override { return from_c10(s); }
   c10::Stream exchangeStream(c10::Stream s) const override {
     auto old = getStream(s.device());
     set_current_stream_id(s.device_index(), s.id());
     return old;
   }
+  // [docs:end GUARD_STREAMS]
 
   c10::DeviceIndex deviceCount() const noexcept override {
     return static_cast<c10::DeviceIndex>(device_count());
   }
 
+  // [docs:start GUARD_EVENTS]
   // Events: the opaque handle is a heap-allocated shared pointer to the runtime event, so that
   // work queued on a stream can keep the event alive after PyTorch destroys its handle.
   void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
@@ -96,7 +100,9 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
                                     "elapsed time");
     return event_elapsed_ms(as_event(start), as_event(end));
   }
+  // [docs:end GUARD_EVENTS]
 
+  // [docs:start GUARD_SYNC]
   bool queryStream(const c10::Stream& s) const override { return stream_query(from_c10(s)); }
   void synchronizeStream(const c10::Stream& s) const override {
     stream_synchronize(from_c10(s));
@@ -104,6 +110,7 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
     device_synchronize(device_index < 0 ? current_device() : device_index);
   }
+  // [docs:end GUARD_SYNC]
   void recordDataPtrOnStream(const c10::DataPtr& ptr, const c10::Stream& s) const override {
     device_allocator()->recordStream(ptr, s);
   }

@@ -156,9 +156,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (dst.numel() == 0) return dst;
   if (src_dev && dst_dev) {
     // Device to device (same or other device): ordered after the source device's current stream
+    // (waited for, not held: holding both streams could deadlock against a copy the other way)
     // and run on the destination device's current stream.
-    std::optional<LaunchScope> source_order;
-    if (tensor_device(self) != tensor_device(dst)) source_order.emplace(current_stream(tensor_device(self)));
+    if (tensor_device(self) != tensor_device(dst)) stream_wait(current_stream(tensor_device(self)));
     HostKernel k(tensor_device(dst));
     copy_between(k.alias(dst), k.alias(self));
     return dst;
@@ -167,17 +167,23 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   const at::Tensor& host_side = src_dev ? dst : self;
   int device = tensor_device(device_side);
   if (non_blocking && pinned(host_side)) {
-    // Asynchronous: queued on the current stream; the host gets control back at once and must
-    // synchronize before it reads the destination (device to host) or reuses the source.
+    // [docs:start ASYNC_COPY]
+    // Asynchronous: queued on the current stream behind the work already issued there, and run
+    // by the stream's worker through the device's simulated copy engine. The host gets control
+    // back at once and must synchronize before it reads the destination (device to host) or
+    // writes the source (host to device). The task holds both tensors' memory until it ran.
     at::Tensor alias = cpu_alias(device_side);
     at::Tensor host = host_side;
-    stream_enqueue(current_stream(device), [alias, host, src_dev] {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      KernelScope kernel;
-      if (src_dev) copy_between(host, alias);
-      else copy_between(alias, host);
-    });
+    size_t nbytes = size_t(dst.numel()) * dst.element_size();
+    enqueue_copy(current_stream(device), /*host_to_device=*/!src_dev, nbytes,
+                 [alias, host, src_dev] {
+                   at::AutoDispatchBelowADInplaceOrView below_autograd;
+                   KernelScope kernel;
+                   if (src_dev) copy_between(host, alias);
+                   else copy_between(alias, host);
+                 });
     return dst;
+    // [docs:end ASYNC_COPY]
   }
   HostKernel k(device);
   if (src_dev) copy_between(dst, k.alias(self));

@@ -40,6 +40,22 @@ PYBIND11_MODULE(_C, m) {
     openreg::synchronize_all();
   });
   m.def("_stream_priority", &openreg::stream_priority);
+  m.def("_stream_priority_range",
+        [] { return py::make_tuple(openreg::kLowestPriority, openreg::kHighestPriority); });
+  m.def("_get_copy_timing", [] {
+    auto t = openreg::copy_timing();
+    return py::make_tuple(t.latency_us, t.bandwidth_gbps);
+  });
+  m.def("_set_copy_timing", [](double latency_us, double bandwidth_gbps) {
+    openreg::set_copy_timing({latency_us, bandwidth_gbps});
+  });
+  m.def("_stream_inject_error", [](int device, int64_t stream_id, const std::string& message) {
+    openreg::stream_inject_error(openreg::get_stream(device, stream_id), message);
+  });
+  m.def("_drain_at_exit", [] {
+    py::gil_scoped_release no_gil;
+    openreg::drain_at_exit();
+  });
 
   // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator
   m.def("_set_memory_fraction", &openreg::set_memory_fraction);

@@ -9,104 +9,225 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace openreg {
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The streams the calling thread holds right now: kernels it runs inline, or the task its worker
+// runs. Used to make nested launches free and to refuse waits that could never end.
+constexpr int kMaxHeld = 8;
+thread_local Stream* tls_held[kMaxHeld];
+thread_local int tls_num_held = 0;
+
+bool held_here(const Stream* s) {
+  for (int i = 0; i < tls_num_held; ++i)
+    if (tls_held[i] == s) return true;
+  return false;
+}
+
+void push_held(Stream* s) {
+  TORCH_CHECK(tls_num_held < kMaxHeld, "openreg: too many nested stream launches");
+  tls_held[tls_num_held++] = s;
+}
+
+void pop_held(Stream* s) {
+  for (int i = tls_num_held - 1; i >= 0; --i)
+    if (tls_held[i] == s) {
+      for (int j = i; j + 1 < tls_num_held; ++j) tls_held[j] = tls_held[j + 1];
+      --tls_num_held;
+      return;
+    }
+}
+
+std::string describe(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(std::move(error));
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+std::once_flag g_atexit_once;
+
+}  // namespace
+
+// [docs:start STREAM_CLASS]
 class Stream {
  public:
   Stream(int device, int64_t id) : device_(device), id_(id) {}
 
+  // state_: bit 0 = a kernel or a task of the stream runs; the rest = 2 x queued tasks.
+  static constexpr uint32_t kRunning = 1;
+  static constexpr uint32_t kQueued = 2;
+
+  bool idle() const { return state_.load(std::memory_order_acquire) == 0; }
+
+  // Kernel side (LaunchScope): the stream must be completely idle; then it is held.
+  void begin_kernel() {
+    if (try_begin_kernel()) return;  // the common case: one atomic operation
+    std::unique_lock lock(mutex_);
+    waiters_.fetch_add(1);
+    cv_.wait(lock, [&] { return try_begin_kernel(); });
+    waiters_.fetch_sub(1);
+  }
+
+  void end_kernel() { finish(kRunning); }
+
   void enqueue(std::function<void()> task) {
     std::lock_guard lock(mutex_);
     if (!worker_started_) {
-      worker_started_ = true;
+      lazy_init();  // a forked child of a process with workers must know it is a bad fork
+      std::call_once(g_atexit_once, [] { std::atexit([] { drain_at_exit(); }); });
       std::thread([this] { run(); }).detach();  // lives as long as the process
+      worker_started_ = true;
     }
     queue_.push_back(std::move(task));
-    pending_.fetch_add(1, std::memory_order_release);
+    state_.fetch_add(kQueued);
     work_cv_.notify_one();
-  }
-
-  bool idle() const {
-    return pending_.load(std::memory_order_acquire) == 0 &&
-           inline_.load(std::memory_order_acquire) == 0;
-  }
-
-  void wait_queue() {
-    if (pending_.load(std::memory_order_acquire) == 0) return;
-    std::unique_lock lock(mutex_);
-    done_cv_.wait(lock, [&] { return pending_.load() == 0; });
-  }
-
-  void synchronize() {
-    wait_queue();
-    while (inline_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
-    rethrow_async_error();
   }
 
   void rethrow_async_error() {
     if (!has_error_.load(std::memory_order_acquire)) return;
-    std::exception_ptr error;
+    std::string message;
     {
       std::lock_guard lock(mutex_);
-      error = std::exchange(error_, nullptr);
+      message = std::exchange(error_, std::string());
       has_error_ = false;
     }
-    if (error) std::rethrow_exception(error);
+    TORCH_CHECK(false, "openreg: asynchronous error on stream ", id_, " of openreg:", device_,
+                ": ", message,
+                "\n(Work queued on a stream runs later; its errors are reported at the next "
+                "synchronize or query of the stream or of its device.)");
+  }
+
+  bool worker_started() {
+    std::lock_guard lock(mutex_);
+    return worker_started_;
   }
 
   int device() const { return device_; }
   int64_t id() const { return id_; }
-  std::atomic<int> inline_{0};
 
  private:
+  bool try_begin_kernel() {
+    uint32_t idle = 0;
+    return state_.compare_exchange_strong(idle, kRunning);
+  }
+
+  // Worker side: queued tasks only wait for the running work to end.
+  bool try_begin_task() {
+    uint32_t s = state_.load();
+    while ((s & kRunning) == 0)
+      if (state_.compare_exchange_weak(s, s | kRunning)) return true;
+    return false;
+  }
+
+  void finish(uint32_t amount) {
+    state_.fetch_sub(amount);
+    // Sequentially consistent with waiters_.fetch_add in the waits: either a waiter is seen
+    // here, or it sees the new state before it sleeps.
+    if (waiters_.load() > 0) {
+      std::lock_guard lock(mutex_);
+      cv_.notify_all();
+    }
+  }
+
   void run() {
     for (;;) {
       std::function<void()> task;
       {
         std::unique_lock lock(mutex_);
         work_cv_.wait(lock, [&] { return !queue_.empty(); });
+        waiters_.fetch_add(1);
+        cv_.wait(lock, [&] { return try_begin_task(); });
+        waiters_.fetch_sub(1);
         task = std::move(queue_.front());
         queue_.pop_front();
       }
+      push_held(this);
       try {
         task();
+        task = nullptr;  // release captured tensors before the work counts as done
       } catch (...) {
-        // Reported at the next synchronize, as asynchronous device errors are.
+        task = nullptr;
+        std::string message = describe(std::current_exception());
         std::lock_guard lock(mutex_);
-        if (!error_) error_ = std::current_exception();
+        if (!has_error_) error_ = std::move(message);  // the first error is the one reported
         has_error_ = true;
       }
-      task = nullptr;  // release captured tensors before the work counts as done
-      std::lock_guard lock(mutex_);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_cv_.notify_all();
+      pop_held(this);
+      finish(kRunning + kQueued);
     }
   }
 
   const int device_;
   const int64_t id_;
+  std::atomic<uint32_t> state_{0};
+  std::atomic<int> waiters_{0};
   std::mutex mutex_;
-  std::condition_variable work_cv_, done_cv_;
+  std::condition_variable cv_;       // state_ changed (for waiting kernels and the worker)
+  std::condition_variable work_cv_;  // a task was queued (for the idle worker)
   std::deque<std::function<void()>> queue_;
-  std::atomic<int64_t> pending_{0};
   bool worker_started_ = false;
-  std::exception_ptr error_;
+  std::string error_;
   std::atomic<bool> has_error_{false};
 };
+// [docs:end STREAM_CLASS]
 
 namespace {
 
-constexpr int64_t kStreamsPerDevice = 1 + 2 * kPoolSize;
+// [docs:start COPY_ENGINE]
+// One engine per direction per device. A copy holds it for its whole simulated duration; when it
+// is released, the waiting copy of the highest-priority stream gets it (then the oldest).
+class CopyEngine {
+ public:
+  void acquire(int priority) {
+    std::unique_lock lock(mutex_);
+    const std::pair<int, uint64_t> me{priority, next_ticket_++};
+    waiting_.insert(me);
+    cv_.wait(lock, [&] { return !busy_ && *waiting_.begin() == me; });
+    waiting_.erase(me);
+    busy_ = true;
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      busy_ = false;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool busy_ = false;
+  uint64_t next_ticket_ = 0;
+  std::set<std::pair<int, uint64_t>> waiting_;  // (priority, arrival): begin() goes next
+};
+// [docs:end COPY_ENGINE]
 
 struct DeviceStreams {
   std::vector<std::unique_ptr<Stream>> streams;
-  std::atomic<uint32_t> next_normal{0}, next_high{0};
+  std::atomic<uint32_t> next[kPriorityLevels] = {};
+  CopyEngine to_device, to_host;
 };
+
+std::atomic<bool> g_streams_created{false};
 
 std::vector<DeviceStreams>& all_streams() {
   static auto* devices = [] {
@@ -114,6 +235,7 @@ std::vector<DeviceStreams>& all_streams() {
     for (int dev = 0; dev < device_count(); ++dev)
       for (int64_t id = 0; id < kStreamsPerDevice; ++id)
         (*d)[dev].streams.push_back(std::make_unique<Stream>(dev, id));
+    g_streams_created = true;
     return d;
   }();
   return *devices;
@@ -122,9 +244,35 @@ std::vector<DeviceStreams>& all_streams() {
 constexpr int kMaxDevices = 64;
 thread_local int64_t tls_current_stream[kMaxDevices] = {};
 
+double env_double(const char* name, double fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  double value = std::strtod(text, &end);
+  if (end == text || *end != '\0' || value < 0) return fallback;
+  return value;
+}
+
+std::atomic<double> g_copy_latency_us{env_double("OPENREG_COPY_LATENCY_US", 10.0)};
+std::atomic<double> g_copy_bandwidth_gbps{env_double("OPENREG_COPY_BANDWIDTH_GBPS", 0.0)};
+
+// Sleeps for long waits, yields for the last stretch (sleep overshoots by tens of us).
+void wait_until(Clock::time_point deadline) {
+  for (;;) {
+    auto now = Clock::now();
+    if (now >= deadline) return;
+    auto left = deadline - now;
+    if (left > std::chrono::microseconds(150))
+      std::this_thread::sleep_for(left - std::chrono::microseconds(80));
+    else
+      std::this_thread::yield();
+  }
+}
+
 }  // namespace
 
 Stream* get_stream(int device, int64_t id) {
+  check_not_forked();
   check_device(device);
   TORCH_CHECK(id >= 0 && id < kStreamsPerDevice, "openreg: invalid stream id ", id,
               " for device ", device);
@@ -138,15 +286,22 @@ void set_current_stream_id(int device, int64_t id) {
   tls_current_stream[device] = id;
 }
 
-int stream_priority(int64_t id) { return id > kPoolSize ? kHighestPriority : kLowestPriority; }
+int stream_priority(int64_t id) {
+  if (id <= 0) return kLowestPriority;
+  return -static_cast<int>((id - 1) / kPoolSize);
+}
 
 int64_t stream_from_pool(int device, int priority) {
+  check_not_forked();
   check_device(device);
+  priority = std::min(std::max(priority, kHighestPriority), kLowestPriority);
+  const int level = -priority;
   auto& d = all_streams()[device];
-  if (priority < kLowestPriority)
-    return 1 + kPoolSize + (d.next_high.fetch_add(1) % kPoolSize);
-  return 1 + (d.next_normal.fetch_add(1) % kPoolSize);
+  return 1 + level * kPoolSize + (d.next[level].fetch_add(1) % kPoolSize);
 }
+
+int stream_device(const Stream* s) { return s->device(); }
+int64_t stream_id(const Stream* s) { return s->id(); }
 
 void stream_enqueue(Stream* s, std::function<void()> task) {
   check_not_forked();
@@ -154,30 +309,110 @@ void stream_enqueue(Stream* s, std::function<void()> task) {
 }
 
 bool stream_query(Stream* s) {
+  check_not_forked();
   s->rethrow_async_error();
   return s->idle();
 }
 
-void stream_synchronize(Stream* s) { s->synchronize(); }
+void stream_wait(Stream* s) {
+  check_not_forked();
+  if (s->idle()) return;
+  TORCH_CHECK(!held_here(s), "openreg: cannot wait for stream ", s->id(), " of openreg:",
+              s->device(), " from work running on that stream (it would never finish)");
+  // A marker behind everything issued so far: work issued later does not delay the wait.
+  auto marker = event_create(s->device(), false);
+  event_record(marker, s);
+  event_synchronize(marker);
+}
+
+void stream_synchronize(Stream* s) {
+  stream_wait(s);
+  s->rethrow_async_error();
+}
 
 void device_synchronize(int device) {
   check_device(device);
-  for (auto& s : all_streams()[device].streams) s->synchronize();
+  check_not_forked();
+  auto& streams = all_streams()[device].streams;
+  std::vector<EventPtr> markers;
+  for (auto& s : streams) {
+    if (s->idle()) continue;
+    TORCH_CHECK(!held_here(s.get()), "openreg: cannot synchronize openreg:", device,
+                " from work running on one of its streams (it would never finish)");
+    markers.push_back(event_create(device, false));
+    event_record(markers.back(), s.get());
+  }
+  for (auto& m : markers) event_synchronize(m);
+  for (auto& s : streams) s->rethrow_async_error();
 }
 
 void synchronize_all() {
   for (int d = 0; d < device_count(); ++d) device_synchronize(d);
 }
 
-int stream_device(const Stream* s) { return s->device(); }
-int64_t stream_id(const Stream* s) { return s->id(); }
-
-LaunchScope::LaunchScope(Stream* s) : stream_(s) {
-  s->wait_queue();
-  s->inline_.fetch_add(1, std::memory_order_acq_rel);
+void drain_at_exit() noexcept {
+  if (in_bad_fork() || !g_streams_created.load()) return;
+  try {
+    for (auto& d : all_streams())
+      for (auto& s : d.streams)
+        if (s->worker_started() && !held_here(s.get())) stream_wait(s.get());
+  } catch (...) {
+    // Exiting anyway: errors of queued work are not reported any more.
+  }
 }
 
-LaunchScope::~LaunchScope() { stream_->inline_.fetch_sub(1, std::memory_order_acq_rel); }
+void stream_inject_error(Stream* s, const std::string& message) {
+  stream_enqueue(s, [message] { TORCH_CHECK(false, message); });
+}
+
+// [docs:start LAUNCH_SCOPE_IMPL]
+LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
+  check_not_forked();
+  if (held_here(s)) return;  // nested launch: the stream is already ours
+  s->begin_kernel();
+  push_held(s);
+  stream_ = s;
+}
+
+LaunchScope::~LaunchScope() {
+  if (stream_ == nullptr) return;
+  pop_held(stream_);
+  stream_->end_kernel();
+}
+// [docs:end LAUNCH_SCOPE_IMPL]
+
+// ---------------------------------------------------------------- copy engines
+
+CopyTiming copy_timing() { return {g_copy_latency_us.load(), g_copy_bandwidth_gbps.load()}; }
+
+void set_copy_timing(CopyTiming timing) {
+  TORCH_CHECK_VALUE(timing.latency_us >= 0, "copy latency must be >= 0, got ", timing.latency_us);
+  TORCH_CHECK_VALUE(timing.bandwidth_gbps >= 0, "copy bandwidth must be >= 0 (0 = unlimited), "
+                    "got ", timing.bandwidth_gbps);
+  g_copy_latency_us = timing.latency_us;
+  g_copy_bandwidth_gbps = timing.bandwidth_gbps;
+}
+
+// [docs:start ENQUEUE_COPY]
+void enqueue_copy(Stream* s, bool host_to_device, size_t nbytes, std::function<void()> copy) {
+  auto& d = all_streams()[s->device()];
+  CopyEngine* engine = host_to_device ? &d.to_device : &d.to_host;
+  const int priority = stream_priority(s->id());
+  stream_enqueue(s, [engine, priority, nbytes, copy = std::move(copy)] {
+    engine->acquire(priority);
+    struct Release {
+      CopyEngine* engine;
+      ~Release() { engine->release(); }
+    } release{engine};
+    CopyTiming timing = copy_timing();
+    double us = timing.latency_us;
+    if (timing.bandwidth_gbps > 0) us += double(nbytes) / (timing.bandwidth_gbps * 1e3);
+    // The transfer is in flight for its simulated duration; its data lands at the end.
+    wait_until(Clock::now() + std::chrono::nanoseconds(int64_t(us * 1e3)));
+    copy();
+  });
+}
+// [docs:end ENQUEUE_COPY]
 
 // ---------------------------------------------------------------- events
 
@@ -187,9 +422,10 @@ struct EventState {
   const bool timing;
   std::mutex mutex;
   std::condition_variable cv;
-  uint64_t recorded = 0;   // version of the last record() call
-  uint64_t completed = 0;  // version the device has reached
-  std::chrono::steady_clock::time_point when;
+  uint64_t recorded = 0;      // version of the last record() call
+  uint64_t completed = 0;     // version the device has reached
+  Stream* pending = nullptr;  // stream of the last record while it is not complete
+  Clock::time_point when;
 };
 
 EventPtr event_create(int device, bool enable_timing) {
@@ -201,29 +437,38 @@ int event_device(const EventPtr& e) { return e->device; }
 
 namespace {
 void complete(const EventPtr& e, uint64_t version) {
-  std::lock_guard lock(e->mutex);
-  if (version > e->completed) {
-    e->completed = version;
-    e->when = std::chrono::steady_clock::now();
+  {
+    std::lock_guard lock(e->mutex);
+    if (version > e->completed) {
+      e->completed = version;
+      e->when = Clock::now();
+      if (e->completed >= e->recorded) e->pending = nullptr;
+    }
   }
   e->cv.notify_all();
 }
 }  // namespace
 
+// [docs:start EVENT_RECORD]
 void event_record(const EventPtr& e, Stream* s) {
+  check_not_forked();
   TORCH_CHECK(stream_device(s) == e->device, "openreg: event on device ", e->device,
               " cannot be recorded on a stream of device ", stream_device(s));
   uint64_t version;
   {
     std::lock_guard lock(e->mutex);
     version = ++e->recorded;
+    e->pending = s;
   }
-  if (s->idle()) {
+  // A record issued from work running on the stream itself (the allocator freeing a block
+  // inside a kernel) covers the work before that kernel: complete it now.
+  if (s->idle() || held_here(s)) {
     complete(e, version);
   } else {
     stream_enqueue(s, [e, version] { complete(e, version); });
   }
 }
+// [docs:end EVENT_RECORD]
 
 bool event_query(const EventPtr& e) {
   std::lock_guard lock(e->mutex);
@@ -232,9 +477,14 @@ bool event_query(const EventPtr& e) {
 
 void event_synchronize(const EventPtr& e) {
   std::unique_lock lock(e->mutex);
+  if (e->completed >= e->recorded) return;
+  TORCH_CHECK(!held_here(e->pending), "openreg: cannot wait for an event recorded on stream ",
+              e->pending->id(), " of openreg:", e->device,
+              " from work running on that stream (it would never finish)");
   e->cv.wait(lock, [&] { return e->completed >= e->recorded; });
 }
 
+// [docs:start EVENT_BLOCK]
 void event_block(const EventPtr& e, Stream* s) {
   uint64_t version;
   {
@@ -242,19 +492,22 @@ void event_block(const EventPtr& e, Stream* s) {
     if (e->completed >= e->recorded) return;  // nothing outstanding to wait for
     version = e->recorded;
   }
+  // The stream's worker waits: work issued on `s` after this waits behind it, the host does not.
   stream_enqueue(s, [e, version] {
     std::unique_lock lock(e->mutex);
     e->cv.wait(lock, [&] { return e->completed >= version; });
   });
 }
+// [docs:end EVENT_BLOCK]
 
 double event_elapsed_ms(const EventPtr& start, const EventPtr& end) {
   TORCH_CHECK_VALUE(start->timing && end->timing,
                     "openreg: both events must be created with enable_timing=True to measure "
                     "elapsed time");
-  std::lock_guard l1(start->mutex);
+  std::unique_lock l1(start->mutex, std::defer_lock);
   std::unique_lock l2(end->mutex, std::defer_lock);
-  if (end.get() != start.get()) l2.lock();
+  if (end.get() != start.get()) std::lock(l1, l2);
+  else l1.lock();
   TORCH_CHECK_VALUE(start->recorded > 0 && end->recorded > 0,
                     "openreg: both events must be recorded before measuring elapsed time");
   TORCH_CHECK(start->completed >= start->recorded && end->completed >= end->recorded,

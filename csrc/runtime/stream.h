@@ -1,19 +1,37 @@
 // Native because: streams are the simulated device's work queues, each executed by a runtime
 // worker thread; the DeviceGuard, the allocator and every kernel launch consult them from C++.
+//
+// The execution model (docs/streams.md):
+//   * A stream is an ordered sequence of work. Two kinds of work go on it:
+//       - kernels (every operator, synchronous copies): they run *inline* on the thread that issues
+//         them, inside a LaunchScope, because handing each operator to another thread would cost
+//         more than the whole per-operator budget;
+//       - asynchronous work (non_blocking copies with pinned memory, event records and waits,
+//         markers): it is queued and run by the stream's worker thread, started on first use.
+//   * At most one piece of work of a stream runs at a time, in issue order: a kernel starts when
+//     the stream's queue is empty and nothing else of the stream runs; the worker starts a queued
+//     task when no kernel of the stream runs. Different streams run concurrently.
+//   * Asynchronous copies go through simulated copy engines (one per direction per device) with
+//     a configurable latency and bandwidth; when several streams wait for an engine, the
+//     highest-priority stream gets it first. That is what a stream's priority changes.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace openreg {
 
-// Stream ids, per device: 0 is the default stream, then kPoolSize streams of priority 0
-// (normal) and kPoolSize of priority -1 (high). Lower number = higher priority, as in CUDA.
+// Stream ids, per device: 0 is the default stream, then kPoolSize streams for each priority
+// level. Priorities follow CUDA: lower number = higher priority; 0 is the lowest (the default)
+// and kHighestPriority the highest. Out-of-range priorities are clamped, as on CUDA.
 constexpr int64_t kPoolSize = 8;
-constexpr int kHighestPriority = -1;
+constexpr int kPriorityLevels = 4;
 constexpr int kLowestPriority = 0;
+constexpr int kHighestPriority = -(kPriorityLevels - 1);
+constexpr int64_t kStreamsPerDevice = 1 + kPriorityLevels * kPoolSize;
 
 class Stream;
 
@@ -23,18 +41,35 @@ void set_current_stream_id(int device, int64_t id);
 int64_t stream_from_pool(int device, int priority);  // round robin within the priority's pool
 int stream_priority(int64_t id);
 inline Stream* current_stream(int device) { return get_stream(device, current_stream_id(device)); }
+int stream_device(const Stream* s);
+int64_t stream_id(const Stream* s);
 
-// Asynchronous work: runs on the stream's worker thread, after everything enqueued before it.
+// Asynchronous work: runs on the stream's worker thread, after everything issued on the stream
+// before it. An exception it throws is reported by the next query or synchronize of the stream
+// (or of its device), as a real device reports asynchronous errors.
 void stream_enqueue(Stream* s, std::function<void()> task);
-// True when every asynchronous task enqueued so far has run.
+// True when all the work issued on the stream so far has run; raises a pending async error.
 bool stream_query(Stream* s);
-// Blocks the host until the stream's queued work has run; raises an error a task raised.
+// Blocks the host until the work issued on the stream before the call has run; raises a
+// pending asynchronous error of the stream.
 void stream_synchronize(Stream* s);
+// The same wait without reporting errors: used to order a copy after another stream's work.
+void stream_wait(Stream* s);
 void device_synchronize(int device);
 void synchronize_all();
+// At interpreter exit: runs the queued work of every stream (so that no worker touches memory or
+// objects being destroyed), without raising. Does nothing in a forked child.
+void drain_at_exit() noexcept;
 
+// A testing aid: queues a task that fails with `message`, to test how code handles an
+// asynchronous device error (it surfaces at the next synchronize or query).
+void stream_inject_error(Stream* s, const std::string& message);
+
+// [docs:start LAUNCH_SCOPE]
 // Kernels run on the calling thread, in stream order: a LaunchScope waits until the stream's
-// queue is empty before the kernel runs and keeps the stream busy (query() false) until it ends.
+// queue is empty and no other work of the stream runs, then holds the stream (query() is false,
+// queued tasks and other threads' kernels wait) until it ends. Nested scopes on a stream the
+// thread already holds are free.
 class LaunchScope {
  public:
   explicit LaunchScope(Stream* s);
@@ -43,8 +78,23 @@ class LaunchScope {
   LaunchScope& operator=(const LaunchScope&) = delete;
 
  private:
-  Stream* stream_;
+  Stream* stream_;  // nullptr when nested
 };
+// [docs:end LAUNCH_SCOPE]
+
+// Simulated copy engines, used by asynchronous (non_blocking) copies between pinned host memory
+// and a device. A copy occupies its device's engine for that direction for
+// latency + bytes / bandwidth, and its data lands at the end of that time.
+// Set at startup by OPENREG_COPY_LATENCY_US (default 10) and OPENREG_COPY_BANDWIDTH_GBPS
+// (default 0 = as fast as the host copies memory).
+struct CopyTiming {
+  double latency_us;
+  double bandwidth_gbps;
+};
+CopyTiming copy_timing();
+void set_copy_timing(CopyTiming timing);
+// Queues `copy` on `s` as an asynchronous copy of `nbytes` in the given direction.
+void enqueue_copy(Stream* s, bool host_to_device, size_t nbytes, std::function<void()> copy);
 
 // Events.
 struct EventState;
@@ -56,8 +106,5 @@ bool event_query(const EventPtr& e);
 void event_synchronize(const EventPtr& e);
 void event_block(const EventPtr& e, Stream* s);  // the stream waits for the event's last record
 double event_elapsed_ms(const EventPtr& start, const EventPtr& end);
-
-int stream_device(const Stream* s);
-int64_t stream_id(const Stream* s);
 
 }  // namespace openreg

@@ -38,11 +38,14 @@ from .random import (  # noqa: F401
     set_rng_state_all,
 )
 from .streams import (  # noqa: F401
+    CopyEngineConfig,
     Event,
     Stream,
     StreamContext,
     current_stream,
     default_stream,
+    get_copy_engine_config,
+    set_copy_engine_config,
     set_stream,
     stream,
 )
