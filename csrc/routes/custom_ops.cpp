@@ -34,15 +34,18 @@ TORCH_LIBRARY(openreg, m) {
 std::atomic<int64_t>& abs_calls = call_counter("custom_ops.custom_abs");
 
 // [docs:start CUSTOM_ABS_KERNELS]
-// The same dtype rule on every device, with aten's error type and message (NotImplementedError).
-void check_floating(const at::Tensor& input) {
-  TORCH_CHECK_NOT_IMPLEMENTED(at::isFloatingType(input.scalar_type()),
-                              "\"custom_abs\" not implemented for '", input.scalar_type(), "'");
+// One dtype rule on every device, with aten's error types: a kernel rejects a dtype with
+// NotImplementedError; a Meta kernel with RuntimeError (FakeTensor would turn a Meta kernel's
+// NotImplementedError into "unsupported operator").
+void check_floating(const at::Tensor& input, bool meta) {
+  const bool ok = at::isFloatingType(input.scalar_type());
+  if (meta) TORCH_CHECK(ok, "\"custom_abs\" not implemented for '", input.scalar_type(), "'");
+  TORCH_CHECK_NOT_IMPLEMENTED(ok, "\"custom_abs\" not implemented for '", input.scalar_type(), "'");
 }
 
 // openreg: the computation, on the device memory.
 at::Tensor custom_abs_openreg(const at::Tensor& input) {
-  check_floating(input);
+  check_floating(input, /*meta=*/false);
   abs_calls.fetch_add(1, std::memory_order_relaxed);
   HostKernel k(input.device().index());
   return k.result(at::abs(k.alias(input)));
@@ -50,7 +53,7 @@ at::Tensor custom_abs_openreg(const at::Tensor& input) {
 
 // Meta: only the result's metadata (shape, strides, dtype): FakeTensor and torch.compile use it.
 at::Tensor custom_abs_meta(const at::Tensor& input) {
-  check_floating(input);
+  check_floating(input, /*meta=*/true);
   return at::empty_like(input);
 }
 // [docs:end CUSTOM_ABS_KERNELS]
@@ -72,7 +75,7 @@ struct CustomAbs : public torch::autograd::Function<CustomAbs> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor& input = ctx->get_saved_variables()[0];
+    at::Tensor input = ctx->get_saved_variables()[0];
     return {grads[0] * input.sgn()};
   }
 };
