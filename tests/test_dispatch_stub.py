@@ -71,7 +71,7 @@ def test_strided_input_and_output(device, dtype):
     assert (buf[1::2].cpu() == 7).all()  # the rows in between are untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.complex64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.float64], ids=str)
 def test_in_place(device, dtype):
     x = sample(dtype)
     d = x.to(device)
@@ -93,6 +93,13 @@ def test_unsupported_dtypes_raise_like_the_cpu(dtype):
         torch.abs(x.to("openreg"))
     assert str(cpu.value).split("not implemented for")[1] == str(dev.value).split(
         "not implemented for")[1]
+
+
+def test_in_place_complex_raises_like_the_cpu():
+    with pytest.raises(RuntimeError, match="In-place abs is not supported for complex"):
+        torch.ones(3, dtype=torch.complex64).abs_()
+    with pytest.raises(RuntimeError, match="In-place abs is not supported for complex"):
+        torch.ones(3, dtype=torch.complex64, device="openreg").abs_()
 
 
 def test_out_wrong_dtype_raises_like_the_cpu():
