@@ -12,6 +12,7 @@
 
 namespace openreg {
 
+// [docs:start CALL_COUNTER]
 // The counter named `route`, created on first use; the reference stays valid for the process.
 inline std::atomic<int64_t>& call_counter(const std::string& route) {
   static std::mutex mutex;
@@ -19,5 +20,6 @@ inline std::atomic<int64_t>& call_counter(const std::string& route) {
   std::lock_guard<std::mutex> lock(mutex);
   return counters[route];
 }
+// [docs:end CALL_COUNTER]
 
 }  // namespace openreg
