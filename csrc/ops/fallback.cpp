@@ -111,13 +111,21 @@ struct DeviceCheck {
   void finish(const c10::Stack& stack, size_t first) {
     if (device < 0) {
       // No device tensor: a factory with device=openreg[:i].
+      bool openreg_generator = false;
       for (size_t i = 0; i < s.kinds.size(); ++i) {
         const auto& v = stack[first + i];
         if (s.kinds[i] == Kind::Device && v.isDevice() && v.toDevice().type() == kOpenReg) {
           auto d = v.toDevice();
           device = d.has_index() ? d.index() : current_device();
         }
+        if (s.kinds[i] == Kind::Generator && v.isGenerator() &&
+            v.toGenerator().device().type() == kOpenReg)
+          openreg_generator = true;
       }
+      // Only the generator brought the call here: a CPU operator given an openreg generator.
+      TORCH_CHECK(device >= 0 || !openreg_generator,
+                  "Expected a 'cpu' device type for generator but found 'openreg' (in ",
+                  op.schema().name(), " on cpu tensors)");
       if (device < 0) device = current_device();
     }
     check_device(device);
