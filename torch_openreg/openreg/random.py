@@ -112,3 +112,18 @@ def get_offset(device: Any = "openreg") -> int:
 def set_offset(offset: int, device: Any = "openreg") -> None:
     """Not supported (see ``get_offset``); use ``set_rng_state`` instead."""
     _get_generator(device).set_offset(int(offset))
+
+
+# [docs:start GRAPHSAFE_RNG]
+def _register_graphsafe_rng() -> None:
+    """Declares to torch.compile that openreg generators support graph-safe state.
+
+    The generators implement graphsafe_get_state/graphsafe_set_state/clone_state (shared, not
+    copied, state objects), so AOTAutograd can replay a random operator on a saved generator state
+    (the ``graphsafe_run_with_rng_state`` higher-order operator) through ``_get_generator`` and
+    ``get_rng_state`` above.
+    """
+    from torch._functorch._aot_autograd.utils import register_graphsafe_rng_device_type
+
+    register_graphsafe_rng_device_type("openreg")
+# [docs:end GRAPHSAFE_RNG]
