@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributions as D
 import torch.nn.functional as F
 
 
@@ -24,6 +25,15 @@ def _x(dev):
 
 def _qkv(dev):
     return torch.linspace(-1, 1, 2 * 2 * 8 * 4, device=dev).reshape(2, 2, 8, 4)
+
+
+def _lstm_with_dropout(dev):
+    # Weights filled deterministically (a meta module made real), so only dropout draws.
+    m = torch.nn.LSTM(4, 4, num_layers=2, dropout=0.5, device="meta").to_empty(device=dev)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.linspace(-0.5, 0.5, p.numel(), device=dev).reshape(p.shape))
+    return m.train()(_x(dev).reshape(2, 8, 4))[0].detach()
 
 
 # name -> (op(device, generator) -> tensor, same numbers as the CPU kernel with the same seed).
@@ -86,6 +96,27 @@ OPS = {
     "rrelu": (lambda d, g: torch.rrelu(_x(d) - 0.5, training=True, generator=g), True),
     "F.rrelu": (lambda d, g: F.rrelu(_x(d) - 0.5, training=True), True),
     "F.rrelu_": (lambda d, g: F.rrelu_(_x(d) - 0.5, training=True), True),
+    "dropout1d": (lambda d, g: F.dropout1d(_x(d).reshape(2, 4, 8), 0.5, training=True), True),
+    "dropout3d": (lambda d, g: F.dropout3d(_x(d).reshape(2, 16, 2, 1, 1), 0.5, training=True), True),
+    "gumbel_softmax": (lambda d, g: F.gumbel_softmax(_x(d), tau=0.5), True),
+    "fractional_max_pool2d": (
+        lambda d, g: F.fractional_max_pool2d(
+            torch.linspace(0, 1, 4096, device=d).reshape(1, 16, 16, 16), 2, output_size=5
+        ),
+        True,
+    ),
+    "init.kaiming_uniform_": (lambda d, g: torch.nn.init.kaiming_uniform_(torch.empty(5, 5, device=d)), True),
+    "init.trunc_normal_": (lambda d, g: torch.nn.init.trunc_normal_(torch.empty(5, 5, device=d)), True),
+    "init.orthogonal_": (lambda d, g: torch.nn.init.orthogonal_(torch.empty(5, 5, device=d)), True),
+    "Gamma.sample": (lambda d, g: D.Gamma(_x(d), 1.0).sample(), True),
+    "Beta.sample": (lambda d, g: D.Beta(_x(d), _x(d)).sample(), True),
+    "Categorical.sample": (lambda d, g: D.Categorical(_x(d)).sample((3,)), True),
+    "rand_float16": (lambda d, g: torch.rand(20, dtype=torch.float16, device=d, generator=g), True),
+    "randn_bfloat16": (lambda d, g: torch.randn(20, dtype=torch.bfloat16, device=d, generator=g), True),
+    "randn_complex64": (lambda d, g: torch.randn(20, dtype=torch.complex64, device=d, generator=g), True),
+    "normal_out": (lambda d, g: torch.normal(_x(d), 1.0, out=torch.empty(8, 8, device=d), generator=g), True),
+    "randperm_large": (lambda d, g: torch.randperm(100000, device=d, generator=g), True),
+    "lstm_dropout": (lambda d, g: _lstm_with_dropout(d), False),
     "sdpa_dropout": (
         lambda d, g: F.scaled_dot_product_attention(_qkv(d), _qkv(d), _qkv(d), dropout_p=0.5),
         False,
@@ -94,7 +125,9 @@ OPS = {
 TAKES_GENERATOR = [
     name
     for name in OPS
-    if "dropout" not in name.lower() and name not in ("randint_like", "randint_like_low", "F.rrelu", "F.rrelu_")
+    if "dropout" not in name.lower()
+    and "." not in name
+    and name not in ("randint_like", "randint_like_low", "gumbel_softmax", "fractional_max_pool2d")
 ]
 
 
