@@ -178,4 +178,5 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 
 from . import amp  # noqa: E402
+from .storage import *  # noqa: E402,F401,F403
 from .amp import get_amp_supported_dtype  # noqa: E402,F401
