@@ -26,7 +26,9 @@ from .memory import (  # noqa: F401
     set_per_process_memory_fraction,
 )
 from .random import (  # noqa: F401
+    _get_generator,
     default_generators,
+    get_offset,
     get_rng_state,
     get_rng_state_all,
     initial_seed,
@@ -34,6 +36,7 @@ from .random import (  # noqa: F401
     manual_seed_all,
     seed,
     seed_all,
+    set_offset,
     set_rng_state,
     set_rng_state_all,
 )
