@@ -57,6 +57,7 @@ struct OpenRegHostAllocatorImpl final
 
  private:
   void allocate_host_memory(size_t size, void** ptr) override {
+    lazy_init();  // like cudaHostAlloc, pinning memory initialises the runtime
     auto start = std::chrono::steady_clock::now();
     constexpr size_t kPage = 4096;
     void* p = std::aligned_alloc(kPage, (size + kPage - 1) / kPage * kPage);

@@ -94,10 +94,6 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_host_reset_accumulated_stats", [] { openreg::host_allocator()->reset_accumulated_stats(); });
   m.def("_host_reset_peak_stats", [] { openreg::host_allocator()->reset_peak_stats(); });
-  m.def("_host_empty_cache", [] {
-    py::gil_scoped_release no_gil;
-    openreg::host_allocator()->empty_cache();
-  });
   m.def("_is_pinned_pointer", [](uintptr_t ptr) {
     return openreg::is_pinned_pointer(reinterpret_cast<void*>(ptr));
   });
