@@ -15,13 +15,17 @@ from torch_openreg import _C
 
 from .memory import (  # noqa: F401
     empty_cache,
+    host_memory_stats,
+    host_memory_stats_as_nested_dict,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
     memory_reserved,
     memory_stats,
+    reset_accumulated_host_memory_stats,
     reset_accumulated_memory_stats,
+    reset_peak_host_memory_stats,
     reset_peak_memory_stats,
     set_per_process_memory_fraction,
 )
