@@ -15,18 +15,24 @@ from torch_openreg import _C
 
 from .memory import (  # noqa: F401
     empty_cache,
+    host_memory_stats,
+    host_memory_stats_as_nested_dict,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
     memory_reserved,
     memory_stats,
+    reset_accumulated_host_memory_stats,
     reset_accumulated_memory_stats,
+    reset_peak_host_memory_stats,
     reset_peak_memory_stats,
     set_per_process_memory_fraction,
 )
 from .random import (  # noqa: F401
+    _get_generator,
     default_generators,
+    get_offset,
     get_rng_state,
     get_rng_state_all,
     initial_seed,
@@ -34,6 +40,7 @@ from .random import (  # noqa: F401
     manual_seed_all,
     seed,
     seed_all,
+    set_offset,
     set_rng_state,
     set_rng_state_all,
 )
@@ -172,12 +179,8 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return props.major, props.minor
 
 
-def get_amp_supported_dtype() -> list[torch.dtype]:
-    """Low-precision dtypes autocast supports on openreg."""
-    return [torch.float16, torch.bfloat16]
-
-
 def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """bfloat16 runs natively (the device executes CPU kernels, which support it)."""
     return True
 
 
@@ -202,3 +205,8 @@ def get_sync_debug_mode() -> int:
     """The current sync debug mode (0, 1 or 2)."""
     return _C._get_sync_debug_mode()
 # [docs:end SYNC_DEBUG_MODE]
+
+
+from . import amp  # noqa: E402
+from .storage import *  # noqa: E402,F401,F403
+from .amp import get_amp_supported_dtype  # noqa: E402,F401
