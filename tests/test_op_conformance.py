@@ -2,21 +2,23 @@
 openreg exactly like on the CPU or is listed below with the reason it does not.
 
 How it works (docs/fallback.md, "Conformance"):
-- For each OpInfo and each dtype of float32, int64 and bool that the OpInfo supports on the CPU,
-  its sample inputs are generated for the CPU and run on the CPU first. Samples the CPU rejects
-  are dropped; an op/dtype entry none of whose samples runs on the CPU is not counted.
-- The same samples, moved to an openreg device (even samples on openreg:0, odd ones on openreg:1;
-  a `device=` argument of factory functions is moved too), run on openreg, through the function
-  variant, the in-place variant and `out=` (with an empty `out` the kernel has to resize) where
-  the OpInfo has them and the CPU accepts them. Results must be on the device and equal to the
-  CPU's (torch.testing.assert_close, equal_nan=True); the in-place variant must return its input;
-  a result must be a view exactly when the CPU's is.
-- Random operators (detected by running the CPU twice under different seeds and getting
-  different results) and operators whose result is unspecified memory (`empty*`) are compared by
+- Entries are op/dtype pairs: each OpInfo with each of float32, int64 and bool that it supports on
+  the CPU. Entries alternate between openreg:0 and openreg:1.
+- Samples are generated for the openreg device, as PyTorch's device tests do, and the CPU
+  reference gets the same values moved to the CPU (tensors the sample function put on the CPU on
+  purpose stay there; `device=` arguments follow). The CPU runs first: samples it rejects are
+  dropped, and an entry none of whose samples runs on the CPU is not counted.
+- On openreg run the function variant, and for the first sample also the in-place variant (it
+  must return its input) and `out=` (an empty `out` the kernel has to resize), where the OpInfo
+  has them and the CPU accepts them. Results must be on the device, equal to the CPU's
+  (torch.testing.assert_close, equal_nan=True), and share memory with the same inputs as the CPU's
+  results do (views stay views).
+- Random operators (the OpInfo wraps them in wrapper_set_seed, or running them changes the CPU
+  generator's state) and operators whose result is unspecified memory (`empty*`) are compared by
   structure only: the same shapes, dtypes and devices, not values.
-- To keep the file under ~2.5 minutes on 2 cores: at most MAX_SAMPLES samples per entry, samples
-  with more than MAX_NUMEL elements in one tensor are skipped, and only the first sample runs the
-  in-place and out= variants.
+- To keep the file under ~2.5 minutes on 2 cores: at most MAX_SAMPLES samples per entry (plus a
+  non-contiguous copy of the first), samples with a tensor of more than MAX_NUMEL elements are
+  skipped, and only the first sample runs the in-place and out= variants.
 
 The whole loop runs in a subprocess (`python tests/test_op_conformance.py --json`), so that an
 operator crashing the process is reported as a failure naming the operator instead of killing the

@@ -132,6 +132,7 @@ void add_context(c10::Error& e, const c10::OperatorHandle& op, int device) {
                          " with its CPU kernel"));
 }
 
+// [docs:start STRIDED_RESULTS]
 // The fallback can only give back strided tensors: a kernel returning another layout (sparse
 // conversions) gets a clear error instead of one about a storage the layout does not have.
 void check_strided_result(const at::Tensor& t, const c10::OperatorHandle& op) {
@@ -139,6 +140,7 @@ void check_strided_result(const at::Tensor& t, const c10::OperatorHandle& op) {
                               "but ", op.schema().operator_name(), " returns a tensor with layout ",
                               t.layout());
 }
+// [docs:end STRIDED_RESULTS]
 
 void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const Summary& s = summary(op);
@@ -275,11 +277,13 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // the CPU `mul.out` kernel, which runs the meta function again; a foreach operator would reach the
 // fallback once per tensor. Registering the fallback for them directly runs the CPU kernel once.
 // Done when the Python module loads, after every static registration of the process.
+// [docs:start REJECTS_OTHER_DEVICES]
 // Composite kernels that check the device type themselves and accept only the CPU, CUDA and XPU
 // (found by tests/test_op_conformance.py); run with CPU aliases they work.
 bool rejects_other_devices(const std::string& name) {
   return name == "mode.values";
 }
+// [docs:end REJECTS_OTHER_DEVICES]
 
 void route_composites_to_fallback() {
   auto& dispatcher = c10::Dispatcher::singleton();

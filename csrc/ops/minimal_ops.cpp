@@ -80,6 +80,7 @@ void ensure_storage_fits(const at::Tensor& self) {
   if (needed > storage->nbytes()) resize_storage_bytes(storage, needed);
 }
 
+// [docs:start RESIZE]
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   auto* impl = self.unsafeGetTensorImpl();
@@ -93,6 +94,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   ensure_storage_fits(self);
   return self;
 }
+// [docs:end RESIZE]
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
                         c10::IntArrayRef size, c10::IntArrayRef stride) {
@@ -204,6 +206,8 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::_local_scalar_dense(k.alias(self));
 }
 
+// [docs:start VIEWS]
+// Views: a new device TensorImpl over the same storage, with the view's sizes, strides, offset.
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       std::optional<int64_t> storage_offset) {
   return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
@@ -214,6 +218,7 @@ at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) { return at::nati
 at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
   return at::native::_reshape_alias(self, size, stride);
 }
+// [docs:end VIEWS]
 
 // [docs:start EFFICIENT_ZERO_TENSOR]
 // A tensor known to be all zeros without memory (autograd uses them for gradients it knows are
