@@ -172,10 +172,11 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return props.major, props.minor
 
 
-def get_amp_supported_dtype() -> list[torch.dtype]:
-    """Low-precision dtypes autocast supports on openreg."""
-    return [torch.float16, torch.bfloat16]
-
-
 def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """bfloat16 runs natively (the device executes CPU kernels, which support it)."""
     return True
+
+
+from . import amp  # noqa: E402
+from .storage import *  # noqa: E402,F401,F403
+from .amp import get_amp_supported_dtype  # noqa: E402,F401
