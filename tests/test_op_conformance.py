@@ -113,11 +113,13 @@ def clone_tree(obj):
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, obj)
 
 
-def compare(actual, expected, device, values=True):
-    """Raises AssertionError unless `actual` (computed on `device`) matches `expected` (CPU)."""
+def compare(actual, expected, device, values=True, cpu_allowed=False):
+    """Raises AssertionError unless `actual` (computed on `device`) matches `expected` (CPU).
+    cpu_allowed: the sample asked for a CPU result itself (e.g. `torch.ones_like(x, device="cpu")`)."""
     dev = torch.device(device)
     for t in tensors_of(actual):
-        assert t.device == dev, f"result on {t.device}, expected {dev}"
+        assert t.device == dev or (cpu_allowed and t.device.type == "cpu"), (
+            f"result on {t.device}, expected {dev}")
     if not values:
         actual_t, expected_t = tensors_of(actual), tensors_of(expected)
         assert len(actual_t) == len(expected_t), "different number of result tensors"
@@ -241,7 +243,7 @@ def check_entry(op, dtype, device):
                 try:
                     torch.manual_seed(0)
                     actual, inputs = run_variant(fn, sample, **kw2)
-                    compare(actual, exp, device, values)
+                    compare(actual, exp, device, values, asks_for_cpu(sample))
                     assert aliases(actual, inputs) == aliases(exp, exp_inputs), (
                         "results share memory with the inputs differently from the CPU's: "
                         f"{aliases(actual, inputs)} vs {aliases(exp, exp_inputs)}")
@@ -251,6 +253,18 @@ def check_entry(op, dtype, device):
     if compared == 0:
         return "cpu-only", "no sample runs on the CPU", 0
     return "pass", "", compared
+
+
+def asks_for_cpu(sample):
+    """The sample function passed a CPU device itself (a cross-device `*_like` or `new_*`)."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, (torch.device, str)) and str(x).startswith("cpu"):
+            found.append(x)
+    for x in [sample.input, *sample.args, *sample.kwargs.values()]:
+        visit(x)
+    return bool(found)
 
 
 def random_op(op):
@@ -423,6 +437,14 @@ def test_ops_the_cpu_rejects_are_not_counted():
             raise RuntimeError("no")
         return x
     assert check_entry(FakeOp(cpu_rejects), torch.float32, "openreg:0")[0] == "cpu-only"
+
+
+def test_a_result_on_the_cpu_is_accepted_only_when_the_sample_asks_for_it():
+    asks = FakeOp(lambda x, device=None: torch.ones_like(x, device=device),
+                  make=lambda dev: [torch.arange(3.0, device=dev)])
+    asks.sample_inputs = lambda dev, dtype: [
+        SampleInputLike(torch.arange(3.0, device=dev), (), {"device": "cpu"})]
+    assert check_entry(asks, torch.float32, "openreg:1")[0] == "pass"
 
 
 def test_samples_keep_the_cpu_tensors_a_sample_function_put_on_the_cpu():

@@ -218,6 +218,22 @@ def test_mode_with_out_runs_on_the_device(device):
     assert_close((values.cpu(), indices.cpu()), tuple(torch.mode(c, 1)))
 
 
+def test_complex_conj_physical_in_place_and_svd_out(device):
+    """conj_physical_ is a composite calling a CPU-only kernel table directly: routed to the CPU
+    one (it failed with an internal assert before, and so did svd with out= on complex input)."""
+    z = torch.randn(3, 3, dtype=torch.complex64)
+    d = z.to(device)
+    assert d.conj_physical_() is d
+    assert_close(d.cpu(), z.conj_physical())
+    outs = tuple(torch.empty(0, dtype=t, device=device)
+                 for t in (torch.complex64, torch.float32, torch.complex64))
+    torch.svd(z.to(device), out=outs)
+    u, s_, v = torch.svd(z)
+    assert_close(outs[1].cpu(), s_)
+    assert_close((outs[0] @ torch.diag(outs[1]).to(torch.complex64) @ outs[2].mH).cpu(), z,
+                 atol=1e-5, rtol=1e-4)
+
+
 def test_efficient_zero_tensor(device):
     z = torch._efficientzerotensor((2, 3), device=device)
     assert z._is_zerotensor() and z.device == torch.device(device)

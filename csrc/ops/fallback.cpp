@@ -278,10 +278,12 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // fallback once per tensor. Registering the fallback for them directly runs the CPU kernel once.
 // Done when the Python module loads, after every static registration of the process.
 // [docs:start REJECTS_OTHER_DEVICES]
-// Composite kernels that check the device type themselves and accept only the CPU, CUDA and XPU
-// (found by tests/test_op_conformance.py); run with CPU aliases they work.
+// Composite kernels that work only for the devices PyTorch names (found by
+// tests/test_op_conformance.py): mode.values checks for CPU, CUDA and XPU; conj_physical_ calls
+// a device kernel table (DispatchStub) directly, which has no openreg entry. Run on CPU aliases
+// by the fallback, they work.
 bool rejects_other_devices(const std::string& name) {
-  return name == "mode.values";
+  return name == "mode.values" || name == "conj_physical_";
 }
 // [docs:end REJECTS_OTHER_DEVICES]
 
