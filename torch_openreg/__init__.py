@@ -35,6 +35,7 @@ def _register() -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
     # [docs:end REGISTRATION]
+    openreg.random._register_graphsafe_rng()  # needs the device name: after the rename
 
 
 if torch._C._get_privateuse1_backend_name() != "openreg":

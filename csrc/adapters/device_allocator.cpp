@@ -90,6 +90,7 @@ class DeviceCache {
     size_t size = round_size(requested);
     bool small = size <= kSmallSize;
     auto& pool = small ? small_free_ : large_free_;
+    // [docs:start MALLOC_RETRY]
     Block* block = take_free(pool, size, stream);
     if (block == nullptr) {
       size_t segment_size = segment_size_for(size);
@@ -110,6 +111,7 @@ class DeviceCache {
       update(stats_, &DeviceStats::reserved_bytes, small, segment_size);
       stats_.num_device_alloc++;
     }
+    // [docs:end MALLOC_RETRY]
     // Split off the tail if worth keeping.
     size_t remaining = block->size - size;
     if ((small && remaining >= kMinBlockSize) || (!small && remaining > kSmallSize)) {
@@ -142,6 +144,7 @@ class DeviceCache {
     update(stats_, &DeviceStats::allocation, block->small, -1);
     update(stats_, &DeviceStats::allocated_bytes, block->small, -int64_t(block->size));
     update(stats_, &DeviceStats::requested_bytes, block->small, -int64_t(block->requested));
+    // [docs:start FREE_RECORD_STREAM]
     if (!block->stream_uses.empty()) {
       // The block may still be read or written by work queued on those streams: reuse it
       // only once that work has run.
@@ -155,6 +158,7 @@ class DeviceCache {
     } else {
       release_block(block);
     }
+    // [docs:end FREE_RECORD_STREAM]
     return true;
   }
 
@@ -325,6 +329,7 @@ class DeviceCache {
     }
   }
 
+  // [docs:start RAISE_OOM]
   [[noreturn]] void raise_oom(size_t requested) {
     size_t capacity = device_capacity();
     size_t used = driver_used(device_);
@@ -343,6 +348,7 @@ class DeviceCache {
            "set by OPENREG_DEVICE_MEMORY (for example OPENREG_DEVICE_MEMORY=16GB).";
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
   }
+  // [docs:end RAISE_OOM]
 
   const int device_;
   size_t limit_;
@@ -450,6 +456,7 @@ class CpuRedirectAllocator final : public c10::Allocator {
 
 CpuRedirectAllocator g_cpu_redirect;
 
+// [docs:start DEVICE_ALLOCATOR_REGISTRATION]
 struct Registration {
   Registration() {
     c10::SetAllocator(c10::DeviceType::PrivateUse1, &g_device_allocator);
@@ -457,6 +464,7 @@ struct Registration {
     c10::SetCPUAllocator(&g_cpu_redirect, /*priority=*/1);
   }
 } g_registration;
+// [docs:end DEVICE_ALLOCATOR_REGISTRATION]
 
 }  // namespace
 

@@ -111,13 +111,23 @@ struct DeviceCheck {
   void finish(const c10::Stack& stack, size_t first) {
     if (device < 0) {
       // No device tensor: a factory with device=openreg[:i].
+      bool openreg_generator = false;
       for (size_t i = 0; i < s.kinds.size(); ++i) {
         const auto& v = stack[first + i];
         if (s.kinds[i] == Kind::Device && v.isDevice() && v.toDevice().type() == kOpenReg) {
           auto d = v.toDevice();
           device = d.has_index() ? d.index() : current_device();
         }
+        if (s.kinds[i] == Kind::Generator && v.isGenerator() &&
+            v.toGenerator().device().type() == kOpenReg)
+          openreg_generator = true;
       }
+      // [docs:start FALLBACK_CPU_OP_OPENREG_GENERATOR]
+      // Only the generator brought the call here: a CPU operator given an openreg generator.
+      TORCH_CHECK(device >= 0 || !openreg_generator,
+                  "Expected a 'cpu' device type for generator but found 'openreg' (in ",
+                  op.schema().name(), " on cpu tensors)");
+      // [docs:end FALLBACK_CPU_OP_OPENREG_GENERATOR]
       if (device < 0) device = current_device();
     }
     check_device(device);
@@ -200,13 +210,16 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
           v = std::move(cpu);
         }
         break;
+      // [docs:start FALLBACK_GENERATOR]
       case Kind::Generator: {
-        // CPU kernels draw from a CPU generator: hand them the one inside the openreg generator.
+        // CPU kernels draw from a CPU generator: hand them the one inside the openreg generator
+        // (the one passed as generator=, or the device's default generator for None).
         std::optional<at::Generator> gen;
         if (v.isGenerator()) gen = v.toGenerator();
         v = cpu_generator_for(gen, device);
         break;
       }
+      // [docs:end FALLBACK_GENERATOR]
       case Kind::Device:
         if (v.isDevice() && v.toDevice().type() == kOpenReg) v = c10::Device(c10::DeviceType::CPU);
         break;

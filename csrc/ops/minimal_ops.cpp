@@ -13,6 +13,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
@@ -151,6 +152,19 @@ void copy_between(const at::Tensor& dst, const at::Tensor& src) {
 
 bool pinned(const at::Tensor& host) { return is_pinned_pointer(host.const_data_ptr()); }
 
+// A CPU tensor with the same metadata as `host` over its memory, without owning it.
+at::Tensor non_owning(const at::Tensor& host) {
+  const c10::Storage& storage = host.storage();
+  c10::Storage view(c10::Storage::use_byte_size_t(), storage.nbytes(),
+                    c10::DataPtr(const_cast<void*>(storage.data()), host.device()),
+                    /*allocator=*/nullptr, /*resizable=*/false);
+  at::Tensor t = at::empty({0}, host.options().pinned_memory(false));
+  t.set_(view, host.storage_offset(), host.sizes(), host.strides());
+  t._set_conj(host.is_conj());
+  t._set_neg(host.is_neg());
+  return t;
+}
+
 // [docs:start COPY_FROM]
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool src_dev = self.device().type() == kOpenReg;
@@ -176,10 +190,15 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // by the stream's worker through the device's simulated copy engine. The host gets control
     // back at once and must synchronize before it reads the destination (device to host) or
     // writes the source (host to device). The task holds both tensors' memory until it ran.
+    // The host side is held like CUDA holds it: the queued copy works on a non-owning view, and
+    // the pinned allocator is told (record_event) that the block is in use on this stream, so
+    // if the caller frees the tensor now, its block is not handed out again before the copy ran.
     at::Tensor alias = cpu_alias(device_side);
-    at::Tensor host = host_side;
+    Stream* stream = current_stream(device);
+    c10::Stream torch_stream(c10::Stream::UNSAFE, device_side.device(), stream_id(stream));
+    at::Tensor host = record_host_use(host_side, torch_stream) ? non_owning(host_side) : host_side;
     size_t nbytes = size_t(dst.numel()) * dst.element_size();
-    enqueue_copy(current_stream(device), /*host_to_device=*/!src_dev, nbytes,
+    enqueue_copy(stream, /*host_to_device=*/!src_dev, nbytes,
                  [alias, host, src_dev] {
                    at::AutoDispatchBelowADInplaceOrView below_autograd;
                    KernelScope kernel;

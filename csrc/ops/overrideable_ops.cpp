@@ -436,6 +436,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
 // Dropout
 // ---------------------------------------------------------------------------------------------
 
+// [docs:start NATIVE_DROPOUT]
 // at::dropout calls native_dropout on every accelerator. The CPU kernel would draw the mask from
 // the CPU generator; here it comes from the device's generator (torch.openreg.manual_seed).
 std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p,
@@ -453,6 +454,7 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   at::Tensor out = x.mul(mask).mul_(keep == 0 ? 0. : 1. / keep);
   return {k.result(out), k.result(mask)};
 }
+// [docs:end NATIVE_DROPOUT]
 
 // ---------------------------------------------------------------------------------------------
 // Scaled dot product attention
@@ -610,11 +612,13 @@ at::Tensor dropout_keep_mask(uint64_t seed, c10::IntArrayRef sizes, double p) {
   return at::empty(sizes, at::TensorOptions().dtype(at::kBool)).bernoulli_(1. - p, gen);
 }
 
+// [docs:start DRAW_SEED]
 uint64_t draw_seed(int device) {
   at::Generator gen = cpu_generator_for(std::nullopt, device);
   std::lock_guard<std::mutex> lock(gen.mutex());
   return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
 }
+// [docs:end DRAW_SEED]
 
 at::ScalarType compute_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;

@@ -2,6 +2,7 @@
 // torch_openreg/openreg (the torch.openreg device module). Grouped by mechanism.
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
+#include "adapters/host_allocator.h"
 #include "ops/fallback.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -59,6 +60,43 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator
   m.def("_set_memory_fraction", &openreg::set_memory_fraction);
+
+  // ---- pinned host memory (adapters/host_allocator.cpp)
+  m.def("_host_memory_stats", [] {
+    at::HostStats s = openreg::host_allocator()->get_stats();
+    auto stat = [](const c10::CachingAllocator::Stat& st) {
+      py::dict d;
+      d["current"] = st.current;
+      d["peak"] = st.peak;
+      d["allocated"] = st.allocated;
+      d["freed"] = st.freed;
+      return d;
+    };
+    auto duration = [](const c10::CachingAllocator::DurationStat& st) {
+      py::dict d;
+      d["total"] = st.total;
+      d["max"] = st.max;
+      d["min"] = st.min;
+      d["count"] = st.count;
+      d["avg"] = st.count == 0 ? 0 : st.total / st.count;
+      return d;
+    };
+    py::dict result;
+    result["allocations"] = stat(s.allocations);
+    result["allocated_bytes"] = stat(s.allocated_bytes);
+    result["active_requests"] = stat(s.active_requests);
+    result["active_bytes"] = stat(s.active_bytes);
+    result["num_host_alloc"] = s.num_host_alloc;
+    result["num_host_free"] = s.num_host_free;
+    result["host_alloc_time"] = duration(s.host_alloc_time);
+    result["host_free_time"] = duration(s.host_free_time);
+    return result;
+  });
+  m.def("_host_reset_accumulated_stats", [] { openreg::host_allocator()->reset_accumulated_stats(); });
+  m.def("_host_reset_peak_stats", [] { openreg::host_allocator()->reset_peak_stats(); });
+  m.def("_is_pinned_pointer", [](uintptr_t ptr) {
+    return openreg::is_pinned_pointer(reinterpret_cast<void*>(ptr));
+  });
 
   // ---- random (adapters/generator.cpp)
   m.def("_default_generator", [](int device) {

@@ -38,23 +38,46 @@ int read_device_count() {
   return static_cast<int>(n);
 }
 
-size_t parse_size(const char* text, size_t fallback) {
-  if (text == nullptr || *text == '\0') return fallback;
+// [docs:start PARSE_SIZE]
+// "8589934592", "1e9", "512MiB", "512MB", "2 GB", "1.5g": a number with an optional binary unit
+// (k/m/g/t, kb/mb/gb/tb or kib/mib/gib/tib, all powers of 1024, as nvidia-smi and PyTorch print
+// sizes). Returns 0 (and sets `error`) on anything else.
+size_t parse_size(const char* text, std::string& error) {
   char* end = nullptr;
   double value = std::strtod(text, &end);
-  if (end == text || value <= 0) return fallback;
   std::string unit;
-  for (; *end; ++end)
-    if (!std::isspace(static_cast<unsigned char>(*end)))
-      unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(*end))));
-  double mult = 1;
+  for (const char* c = end; c && *c; ++c)
+    if (!std::isspace(static_cast<unsigned char>(*c)))
+      unit.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(*c))));
+  double mult = 0;
   if (unit.empty() || unit == "b") mult = 1;
   else if (unit == "k" || unit == "kb" || unit == "kib") mult = 1024.0;
   else if (unit == "m" || unit == "mb" || unit == "mib") mult = 1024.0 * 1024;
   else if (unit == "g" || unit == "gb" || unit == "gib") mult = 1024.0 * 1024 * 1024;
   else if (unit == "t" || unit == "tb" || unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
-  else return fallback;
+  if (end == text || mult == 0 || !(value * mult >= 1) || value * mult > 1e18) {
+    error = std::string("OPENREG_DEVICE_MEMORY='") + text +
+            "' is not a valid memory size: expected a positive number of bytes with an optional "
+            "unit, for example 8GB, 512MiB or 1e9";
+    return 0;
+  }
   return static_cast<size_t>(value * mult);
+}
+// [docs:end PARSE_SIZE]
+
+struct Capacity {
+  size_t bytes = size_t(8) << 30;  // default: 8 GiB per device
+  std::string error;
+};
+
+const Capacity& capacity_setting() {
+  static const Capacity c = [] {
+    Capacity c;
+    const char* env = std::getenv("OPENREG_DEVICE_MEMORY");
+    if (env != nullptr && *env != '\0') c.bytes = parse_size(env, c.error);
+    return c;
+  }();
+  return c;
 }
 
 // [docs:start ATFORK]
@@ -72,10 +95,10 @@ int device_count() noexcept {
   return count;
 }
 
-size_t device_capacity() noexcept {
-  static const size_t capacity =
-      parse_size(std::getenv("OPENREG_DEVICE_MEMORY"), size_t(8) << 30);
-  return capacity;
+size_t device_capacity() {
+  const Capacity& c = capacity_setting();
+  TORCH_CHECK(c.error.empty(), c.error);
+  return c.bytes;
 }
 
 // [docs:start CHECK_DEVICE]
@@ -111,6 +134,7 @@ void detail::raise_bad_fork() {
 void lazy_init() {
   check_not_forked();
   if (g_initialized.load(std::memory_order_acquire)) return;
+  device_capacity();  // a malformed OPENREG_DEVICE_MEMORY fails the first use, clearly
   std::call_once(g_atfork_once, [] { pthread_atfork(nullptr, nullptr, &mark_child_after_fork); });
   TORCH_CHECK(device_count() > 0,
               "openreg: no device available (OPENREG_DEVICE_COUNT=",

@@ -35,8 +35,8 @@ struct DeviceProperties {
 DeviceProperties device_properties(int index);
 
 // Per-device memory capacity in bytes: OPENREG_DEVICE_MEMORY (e.g. "2GB", "512MiB", "1e9"),
-// default 8 GiB.
-size_t device_capacity() noexcept;
+// default 8 GiB. Raises (RuntimeError) naming the variable when its value is malformed.
+size_t device_capacity();
 
 namespace detail {
 void raise_bad_fork();

@@ -48,6 +48,7 @@ void protect_all(int prot) {
     mprotect(reinterpret_cast<void*>(base), seg.size, prot);
 }
 
+// [docs:start SEGV_HANDLER]
 void on_segv(int sig, siginfo_t* info, void* ctx) {
   auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   if (addr >= g_low.load() && addr < g_high.load()) {
@@ -66,6 +67,7 @@ void on_segv(int sig, siginfo_t* info, void* ctx) {
   // action); returning re-executes the faulting access under that handler.
   sigaction(SIGSEGV, &g_previous_segv, nullptr);
 }
+// [docs:end SEGV_HANDLER]
 
 void install_segv_handler() {
   static std::once_flag once;
@@ -98,12 +100,14 @@ void* segment_alloc(int device, size_t size) {
     if (r.used[device] + size > device_capacity()) return nullptr;
     r.used[device] += size;  // reserve before mapping so concurrent callers see the capacity
   }
+  // [docs:start SEGMENT_MMAP]
   const bool strict = strict_memory();
   if (strict) install_segv_handler();
   std::unique_lock protect_lock(g_protect_mutex, std::defer_lock);
   if (strict) protect_lock.lock();
   int prot = (strict && g_scopes == 0) ? PROT_NONE : (PROT_READ | PROT_WRITE);
   void* p = mmap(nullptr, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // [docs:end SEGMENT_MMAP]
   std::unique_lock lock(r.mutex);
   if (p == MAP_FAILED) {
     r.used[device] -= size;
@@ -148,6 +152,7 @@ int device_of_pointer(const void* ptr) {
   return -1;
 }
 
+// [docs:start KERNEL_SCOPE]
 void KernelScope::enter() {
   std::lock_guard guard(g_protect_mutex);
   if (g_scopes++ == 0) {
@@ -163,5 +168,6 @@ void KernelScope::leave() {
     protect_all(PROT_NONE);
   }
 }
+// [docs:end KERNEL_SCOPE]
 
 }  // namespace openreg

@@ -15,18 +15,24 @@ from torch_openreg import _C
 
 from .memory import (  # noqa: F401
     empty_cache,
+    host_memory_stats,
+    host_memory_stats_as_nested_dict,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
     memory_reserved,
     memory_stats,
+    reset_accumulated_host_memory_stats,
     reset_accumulated_memory_stats,
+    reset_peak_host_memory_stats,
     reset_peak_memory_stats,
     set_per_process_memory_fraction,
 )
 from .random import (  # noqa: F401
+    _get_generator,
     default_generators,
+    get_offset,
     get_rng_state,
     get_rng_state_all,
     initial_seed,
@@ -34,6 +40,7 @@ from .random import (  # noqa: F401
     manual_seed_all,
     seed,
     seed_all,
+    set_offset,
     set_rng_state,
     set_rng_state_all,
 )

@@ -63,3 +63,43 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
     if not isinstance(fraction, float):
         raise TypeError("Invalid type for fraction argument, must be `float`")
     _C._set_memory_fraction(fraction, _index(device))
+
+
+# [docs:start HOST_MEMORY_STATS]
+# Pinned host memory (csrc/adapters/host_allocator.cpp), named like torch.cuda's functions.
+def host_memory_stats_as_nested_dict() -> dict[str, Any]:
+    """Statistics of the pinned host memory allocator, as nested dictionaries."""
+    return _C._host_memory_stats()
+
+
+def host_memory_stats() -> OrderedDict[str, Any]:
+    """Statistics of the pinned host memory allocator, flattened like ``torch.cuda``'s:
+    ``"allocations.current"``, ``"allocated_bytes.peak"``, ``"active_requests.current"``,
+    ``"active_bytes.current"``, ``"num_host_alloc"``, ``"num_host_free"``,
+    ``"host_alloc_time.total"``..."""
+    flat: list[tuple[str, Any]] = []
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{prefix}.{key}" if prefix else key, inner)
+        else:
+            flat.append((prefix, value))
+
+    add("", host_memory_stats_as_nested_dict())
+    return OrderedDict(sorted(flat))
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    """Resets the ``allocated``/``freed`` counters of the pinned host memory statistics."""
+    _C._host_reset_accumulated_stats()
+
+
+def reset_peak_host_memory_stats() -> None:
+    """Resets the ``peak`` values of the pinned host memory statistics."""
+    _C._host_reset_peak_stats()
+
+
+
+# torch.accelerator.empty_host_cache() returns the cached free pinned blocks to the system.
+# [docs:end HOST_MEMORY_STATS]
