@@ -21,7 +21,9 @@ SAME_DEVICE = "Expected all tensors to be on the same device"
     lambda: torch.ones(1, device="openreg:0").to("openreg:2"),
     lambda: torch.zeros(2, device="openreg:1").new_ones(2, device="openreg:3"),
     lambda: torch.openreg.device(3).__enter__(),
-], ids=["factory", "empty", "set_device", "accelerator", "h2d", "d2d", "new_ones", "context"])
+    lambda: torch.openreg.manual_seed_all(0) or torch.openreg.get_rng_state(2),
+], ids=["factory", "empty", "set_device", "accelerator", "h2d", "d2d", "new_ones", "context",
+        "rng_state"])
 def test_device_index_out_of_range(call):
     before = torch.openreg.current_device()
     with pytest.raises(torch.AcceleratorError, match="(?i)device index is out of range"):
