@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from torch_openreg.testing import hold_stream
+
 N = 1 << 16  # floats: 256 KiB, a power of two (the allocator rounds sizes up to one)
 LATENCY = 0.3  # seconds a non_blocking copy stays in flight in the tests that need it
 
@@ -149,46 +151,50 @@ def test_reset_peak_and_accumulated_host_stats():
 # ---------------------------------------------------------------- record_event
 
 
-def test_block_of_an_in_flight_h2d_copy_is_not_reused_before_the_copy_ran(device, slow_copies):
+def test_block_of_an_in_flight_h2d_copy_is_not_reused_before_the_copy_ran(device):
     torch.accelerator.synchronize()
-    src = torch.full((N,), 7.0).pin_memory()
-    address = src.data_ptr()
+    stream = torch.openreg.current_stream(device)
     dst = torch.empty(N, device=device)
-    dst.copy_(src, non_blocking=True)
-    del src  # the caller drops its reference while the copy is still queued
-    gc.collect()
-    other = torch.empty(N).pin_memory()
-    assert other.data_ptr() != address
-    other.fill_(-1.0)  # would corrupt the copy if it had been given the source's block
+    with hold_stream(stream):  # the copy stays queued for the whole block
+        src = torch.full((N,), 7.0).pin_memory()
+        address = src.data_ptr()
+        dst.copy_(src, non_blocking=True)
+        del src  # the caller drops its reference while the copy is still queued
+        gc.collect()
+        other = torch.empty(N).pin_memory()
+        assert other.data_ptr() != address
+        other.fill_(-1.0)  # would corrupt the copy if it had been given the source's block
     torch.openreg.synchronize(device)
     assert torch.equal(dst.cpu(), torch.full((N,), 7.0))
     again = torch.empty(N).pin_memory()  # the copy ran: the block is free again
     assert again.data_ptr() == address
 
 
-def test_destination_of_an_in_flight_d2h_copy_is_not_reused(device, slow_copies):
+def test_destination_of_an_in_flight_d2h_copy_is_not_reused(device):
     x = torch.arange(N, dtype=torch.float32, device=device)
-    host = torch.empty(N).pin_memory()
-    address = host.data_ptr()
-    host.copy_(x, non_blocking=True)
-    del host
-    other = torch.full((N,), -1.0).pin_memory()
-    assert other.data_ptr() != address
+    with hold_stream(torch.openreg.current_stream(device)):
+        host = torch.empty(N).pin_memory()
+        address = host.data_ptr()
+        host.copy_(x, non_blocking=True)
+        del host
+        other = torch.full((N,), -1.0).pin_memory()
+        assert other.data_ptr() != address
     torch.openreg.synchronize(device)
     # The late copy landed in the old block, not in the new tensor.
     assert torch.equal(other, torch.full((N,), -1.0))
 
 
-def test_event_of_a_side_stream_copy_is_tracked(device, slow_copies):
+def test_event_of_a_side_stream_copy_is_tracked(device):
     side = torch.openreg.Stream(device)
     src = torch.full((N,), 3.0).pin_memory()
     address = src.data_ptr()
     dst = torch.empty(N, device=device)
     side.wait_stream(torch.openreg.current_stream(device))
-    with torch.openreg.stream(side):
-        dst.copy_(src, non_blocking=True)
-    del src
-    assert torch.empty(N).pin_memory().data_ptr() != address
+    with hold_stream(side):
+        with torch.openreg.stream(side):
+            dst.copy_(src, non_blocking=True)
+        del src
+        assert torch.empty(N).pin_memory().data_ptr() != address
     side.synchronize()
     assert torch.empty(N).pin_memory().data_ptr() == address
     torch.openreg.current_stream(device).wait_stream(side)

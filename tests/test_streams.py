@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torch_openreg.openreg.streams import _inject_async_error
+from torch_openreg.testing import hold_stream
 
 LATENCY = 0.25  # seconds a non_blocking copy stays in flight in the race tests
 N = 1000
@@ -163,17 +164,28 @@ def test_query_and_synchronize_follow_queued_work(device, slow_copies):
     assert torch.equal(host, expected())
 
 
-def test_missing_synchronize_after_non_blocking_d2h_is_observable(device, slow_copies):
+def test_missing_synchronize_after_non_blocking_d2h_is_observable(device):
     x = torch.arange(N, dtype=torch.float32, device=device)
     host = torch.zeros(N).pin_memory()
-    host.copy_(x, non_blocking=True)
-    assert torch.count_nonzero(host) == 0  # read too early: the copy has not landed
-    result = x.to("cpu", non_blocking=True)  # torch allocates a pinned destination
-    assert result.is_pinned()
-    assert not torch.equal(result, expected())
+    # hold_stream keeps the copy queued for the whole block, so the early read is deterministic.
+    with hold_stream(torch.openreg.current_stream(device)):
+        host.copy_(x, non_blocking=True)
+        assert torch.count_nonzero(host) == 0  # read too early: the copy has not landed
+        result = x.to("cpu", non_blocking=True)  # torch allocates a pinned destination
+        assert result.is_pinned()
     torch.openreg.synchronize(device)
     assert torch.equal(host, expected())
     assert torch.equal(result, expected())
+
+
+def test_missing_synchronize_is_observable_with_a_realistic_latency(device, slow_copies):
+    # The same bug with nothing held: the simulated copy engine alone keeps the copy in flight.
+    x = torch.arange(N, dtype=torch.float32, device=device)
+    host = torch.zeros(N).pin_memory()
+    host.copy_(x, non_blocking=True)
+    assert torch.count_nonzero(host) == 0
+    torch.openreg.synchronize(device)
+    assert torch.equal(host, expected())
 
 
 @pytest.mark.parametrize("how", ["stream", "device", "event", "accelerator"])
@@ -199,16 +211,17 @@ def test_non_blocking_from_pageable_memory_is_synchronous(device, slow_copies):
     assert torch.equal(host, expected())
 
 
-def test_h2d_source_is_kept_alive_until_the_copy_ran(device, slow_copies):
+def test_h2d_source_is_kept_alive_until_the_copy_ran(device):
     dst = torch.empty(N, device=device)
-    src = torch.full((N,), 7.0).pin_memory()
-    address = src.data_ptr()
-    dst.copy_(src, non_blocking=True)
-    del src
-    gc.collect()
-    # Were the source freed, these allocations of the same size would reuse its memory.
-    others = [torch.full((N,), -1.0).pin_memory() for _ in range(4)]
-    assert all(o.data_ptr() != address for o in others)
+    with hold_stream(torch.openreg.current_stream(device)):
+        src = torch.full((N,), 7.0).pin_memory()
+        address = src.data_ptr()
+        dst.copy_(src, non_blocking=True)
+        del src
+        gc.collect()
+        # Were the source freed, these allocations of the same size would reuse its memory.
+        others = [torch.full((N,), -1.0).pin_memory() for _ in range(4)]
+        assert all(o.data_ptr() != address for o in others)
     torch.openreg.synchronize(device)
     assert torch.equal(dst.cpu(), torch.full((N,), 7.0))
 
@@ -402,3 +415,48 @@ def test_allocation_retry_waits_for_stream_work_without_deadlock():
                             timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     assert "allocated" in result.stdout
+
+
+# ---------------------------------------------------------------- hold_stream (torch_openreg.testing)
+
+
+def test_hold_stream_keeps_queued_work_pending_until_the_block_ends(device):
+    stream = torch.openreg.current_stream(device)
+    x = torch.arange(N, dtype=torch.float32, device=device)
+    host = torch.zeros(N).pin_memory()
+    with hold_stream(stream):
+        host.copy_(x, non_blocking=True)
+        time.sleep(0.05)  # however long the host waits, the copy stays queued
+        assert not stream.query()
+        assert torch.count_nonzero(host) == 0
+    stream.synchronize()
+    assert stream.query()
+    assert torch.equal(host, expected())
+
+
+def test_hold_stream_does_not_hold_other_streams(device):
+    side = torch.openreg.Stream(device)
+    x = torch.arange(N, dtype=torch.float32, device=device)
+    host = torch.zeros(N).pin_memory()
+    with hold_stream(torch.openreg.current_stream(device)):
+        with torch.openreg.stream(side):
+            host.copy_(x, non_blocking=True)
+        side.synchronize()
+        assert torch.equal(host, expected())
+
+
+def test_waiting_for_a_held_stream_inside_the_block_times_out_with_an_error(device):
+    stream = torch.openreg.current_stream(device)
+    with pytest.raises(RuntimeError, match="opened by itself after 0.2 s"):
+        with hold_stream(stream, timeout=0.2):
+            stream.synchronize()  # a mistake: waits for the end of the block; the timeout ends it
+    assert stream.query()
+
+
+def test_hold_stream_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="openreg stream"):
+        with hold_stream(torch.Stream("cpu")):
+            pass
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        with hold_stream(timeout=0):
+            pass

@@ -106,6 +106,10 @@ void HostKernel::sync_written(const at::Tensor& t) {
       cpu.storage_offset() != t.storage_offset()) {
     timpl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
   }
+  // Kernels may set the conjugate or negative bit of an out= argument (the bits are metadata of
+  // the tensor, not of the memory): the device tensor gets them too.
+  if (cpu.is_conj() != t.is_conj()) timpl->_set_conj(cpu.is_conj());
+  if (cpu.is_neg() != t.is_neg()) timpl->_set_neg(cpu.is_neg());
 }
 
 c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {

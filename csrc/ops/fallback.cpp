@@ -137,6 +137,21 @@ struct DeviceCheck {
   }
 };
 
+void add_context(c10::Error& e, const c10::OperatorHandle& op, int device) {
+  e.add_context(c10::str("while running ", op.schema().operator_name(), " on openreg:", device,
+                         " with its CPU kernel"));
+}
+
+// [docs:start STRIDED_RESULTS]
+// The fallback can only give back strided tensors: a kernel returning another layout (sparse
+// conversions) gets a clear error instead of one about a storage the layout does not have.
+void check_strided_result(const at::Tensor& t, const c10::OperatorHandle& op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == c10::kStrided, "openreg supports only strided tensors, "
+                              "but ", op.schema().operator_name(), " returns a tensor with layout ",
+                              t.layout());
+}
+// [docs:end STRIDED_RESULTS]
+
 void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const Summary& s = summary(op);
   const size_t num_args = s.kinds.size();
@@ -213,6 +228,7 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
     }
   }
 
+  // [docs:start ERROR_CONTEXT]
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   } catch (c10::NotImplementedError& e) {
@@ -222,8 +238,16 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
                                   "' is not implemented for the openreg device: it has no "
                                   "openreg kernel and no CPU kernel for the fallback to run.");
     }
+    add_context(e, op, device);
+    throw;
+  } catch (c10::Error& e) {
+    // The CPU kernel's own error (same type and message as on the CPU), saying where it came
+    // from: "... (while running aten::mm on openreg:0 with its CPU kernel)". `throw;` keeps the
+    // exception's type (IndexError, ValueError, TypeError, ...).
+    add_context(e, op, device);
     throw;
   }
+  // [docs:end ERROR_CONTEXT]
 
   // Arguments written in place (including out= arguments a kernel resized) keep their device
   // tensor; carry over any change of size or memory.
@@ -241,12 +265,18 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
     c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
-      if (t.defined() && t.is_cpu()) v = kernel.result(t);
+      if (t.defined() && t.is_cpu()) {
+        check_strided_result(t, op);
+        v = kernel.result(t);
+      }
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       c10::List<at::Tensor> out;
       out.reserve(list.size());
-      for (const at::Tensor& t : list) out.push_back(t.defined() && t.is_cpu() ? kernel.result(t) : t);
+      for (const at::Tensor& t : list) {
+        if (t.defined() && t.is_cpu()) check_strided_result(t, op);
+        out.push_back(t.defined() && t.is_cpu() ? kernel.result(t) : t);
+      }
       v = std::move(out);
     }
   }
@@ -262,6 +292,16 @@ void generic_fallback(const c10::OperatorHandle& op, c10::Stack* stack) { fallba
 // the CPU `mul.out` kernel, which runs the meta function again; a foreach operator would reach the
 // fallback once per tensor. Registering the fallback for them directly runs the CPU kernel once.
 // Done when the Python module loads, after every static registration of the process.
+// [docs:start REJECTS_OTHER_DEVICES]
+// Composite kernels that work only for the devices PyTorch names (found by
+// tests/test_op_conformance.py): mode.values checks for CPU, CUDA and XPU; conj_physical_ calls
+// a device kernel table (DispatchStub) directly, which has no openreg entry. Run on CPU aliases
+// by the fallback, they work.
+bool rejects_other_devices(const std::string& name) {
+  return name == "mode.values" || name == "conj_physical_";
+}
+// [docs:end REJECTS_OTHER_DEVICES]
+
 void route_composites_to_fallback() {
   auto& dispatcher = c10::Dispatcher::singleton();
   static auto* library = new torch::Library(torch::Library::IMPL, "aten",
@@ -274,9 +314,13 @@ void route_composites_to_fallback() {
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
         op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
     const bool foreach = std::string_view(name.name).rfind("aten::_foreach_", 0) == 0;
-    if (!composite || !(foreach || op->hasKernelForDispatchKey(c10::DispatchKey::CPU))) continue;
     std::string full = name.name.substr(6);
     if (!name.overload_name.empty()) full += "." + name.overload_name;
+    if (composite && rejects_other_devices(full)) {
+      library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+      continue;
+    }
+    if (!composite || !(foreach || op->hasKernelForDispatchKey(c10::DispatchKey::CPU))) continue;
     library->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
 }

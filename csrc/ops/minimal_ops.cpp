@@ -82,6 +82,7 @@ void ensure_storage_fits(const at::Tensor& self) {
   if (needed > storage->nbytes()) resize_storage_bytes(storage, needed);
 }
 
+// [docs:start RESIZE]
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   auto* impl = self.unsafeGetTensorImpl();
@@ -95,6 +96,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
   ensure_storage_fits(self);
   return self;
 }
+// [docs:end RESIZE]
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
                         c10::IntArrayRef size, c10::IntArrayRef stride) {
@@ -134,9 +136,11 @@ at::Tensor& set_empty(at::Tensor& self) {
 }
 
 // A byte copy when layouts agree, else the CPU copy kernel (dtype conversion, broadcasting,
-// arbitrary strides).
+// arbitrary strides, conjugate and negative bits).
+// Overlapping source and destination (views of one storage) go to the CPU kernel too, so they
+// are accepted or rejected exactly as on the CPU.
 void copy_between(const at::Tensor& dst, const at::Tensor& src) {
-  if (dst.dtype() == src.dtype() && dst.sizes() == src.sizes() && dst.strides() == src.strides() &&
+  if (!dst.is_alias_of(src) && dst.dtype() == src.dtype() && dst.sizes() == src.sizes() && dst.strides() == src.strides() &&
       dst.is_non_overlapping_and_dense() && !dst.is_conj() && !src.is_conj() && !dst.is_neg() &&
       !src.is_neg()) {
     size_t nbytes = dst.numel() * dst.element_size();
@@ -223,6 +227,8 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::_local_scalar_dense(k.alias(self));
 }
 
+// [docs:start VIEWS]
+// Views: a new device TensorImpl over the same storage, with the view's sizes, strides, offset.
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       std::optional<int64_t> storage_offset) {
   return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
@@ -233,6 +239,31 @@ at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) { return at::nati
 at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
   return at::native::_reshape_alias(self, size, stride);
 }
+// [docs:end VIEWS]
+
+// [docs:start EFFICIENT_ZERO_TENSOR]
+// A tensor known to be all zeros without memory (autograd uses them for gradients it knows are
+// zero): the ZeroTensor key makes every operator see it as zeros. Built here because the CPU
+// kernel would make a CPU tensor, and the fallback cannot carry the ZeroTensor key over.
+c10::DataPtr no_memory(int device) {
+  return c10::DataPtr(nullptr, c10::Device(kOpenReg, static_cast<c10::DeviceIndex>(device)));
+}
+
+at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                                 std::optional<c10::Layout> layout,
+                                 std::optional<c10::Device> device, std::optional<bool> pin_memory) {
+  check_layout(layout);
+  int index = device_index(device);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, no_memory(index), nullptr,
+                       /*resizable=*/false);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage),
+      c10::DispatchKeySet({c10::DispatchKey::PrivateUse1, c10::DispatchKey::ZeroTensor}),
+      c10::scalarTypeToTypeMeta(c10::dtype_or_default(dtype)));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(size);
+  return t;
+}
+// [docs:end EFFICIENT_ZERO_TENSOR]
 
 void record_stream(at::Tensor& self, c10::Stream stream) {
   TORCH_CHECK(stream.device_type() == kOpenReg, "record_stream: expected an openreg stream, got ",
@@ -272,7 +303,24 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
+  m.impl("_efficientzerotensor", efficient_zero_tensor);
 }
 // [docs:end TORCH_LIBRARY_IMPL]
+
+// [docs:start COPY_MATH_BITS]
+// A device without a copy kernel of its own (copy_stub) gets every copy_ through _copy_from. The
+// conjugate and negative fallbacks would resolve a conjugated or negated source by cloning it,
+// and a clone is a copy_: _copy_from again, forever (a stack overflow, seen on the fft ops).
+// Let _copy_from through those keys instead: copy_from hands the bits to the CPU copy kernel,
+// which applies them while it copies, as the CPU's own copy_ does.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+// [docs:end COPY_MATH_BITS]
 
 }  // namespace openreg

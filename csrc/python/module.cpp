@@ -60,6 +60,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stream_inject_error", [](int device, int64_t stream_id, const std::string& message) {
     openreg::stream_inject_error(openreg::get_stream(device, stream_id), message);
   });
+  py::class_<openreg::StreamHold, std::shared_ptr<openreg::StreamHold>>(m, "_StreamHold");
+  m.def("_stream_hold", [](int device, int64_t stream_id, double timeout_s) {
+    return openreg::stream_hold(openreg::get_stream(device, stream_id), timeout_s);
+  });
+  m.def("_stream_release", &openreg::stream_release);
   m.def("_drain_at_exit", [] {
     py::gil_scoped_release no_gil;
     openreg::drain_at_exit();

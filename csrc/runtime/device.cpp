@@ -101,13 +101,20 @@ size_t device_capacity() {
   return c.bytes;
 }
 
+// [docs:start CHECK_DEVICE]
+// An index out of range is an error of the device runtime, as CUDA's "invalid device ordinal":
+// c10::AcceleratorError, which Python sees as torch.AcceleratorError (a RuntimeError).
 void check_device(int index) {
-  TORCH_CHECK(
-      index >= 0 && index < device_count(),
-      "openreg device index is out of range: got ", index, ", but there ",
-      device_count() == 1 ? "is 1 device" : ("are " + std::to_string(device_count()) + " devices"),
-      " (set OPENREG_DEVICE_COUNT to change it)");
+  if (index >= 0 && index < device_count()) return;
+  constexpr int32_t kInvalidDevice = 101;  // the number CUDA uses for an invalid device ordinal
+  throw c10::AcceleratorError(
+      {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, kInvalidDevice,
+      c10::str("openreg device index is out of range: got ", index, ", but there ",
+               device_count() == 1 ? "is 1 device"
+                                   : ("are " + std::to_string(device_count()) + " devices"),
+               " (set OPENREG_DEVICE_COUNT to change it)"));
 }
+// [docs:end CHECK_DEVICE]
 
 int current_device() noexcept { return tls_current_device; }
 

@@ -11,7 +11,8 @@ namespace openreg {
 // Number of simulated devices: OPENREG_DEVICE_COUNT, default 2. Never throws.
 int device_count() noexcept;
 
-// Throws c10::Error (Python RuntimeError) naming the index and the count when out of range.
+// Throws c10::AcceleratorError (Python torch.AcceleratorError, a RuntimeError) naming the index
+// and the count when out of range, as CUDA does for an invalid device ordinal.
 void check_device(int index);
 
 // The calling thread's current device (starts at 0, like CUDA).

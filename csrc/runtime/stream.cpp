@@ -365,6 +365,29 @@ void stream_inject_error(Stream* s, const std::string& message) {
   stream_enqueue(s, [message] { TORCH_CHECK(false, message); });
 }
 
+// [docs:start STREAM_HOLD]
+std::shared_ptr<StreamHold> stream_hold(Stream* s, double timeout_s) {
+  TORCH_CHECK_VALUE(timeout_s > 0, "openreg: hold timeout must be positive, got ", timeout_s);
+  auto hold = std::make_shared<StreamHold>();
+  stream_enqueue(s, [hold, timeout_s] {
+    std::unique_lock lock(hold->mutex);
+    auto timeout = std::chrono::duration<double>(timeout_s);
+    if (!hold->cv.wait_for(lock, timeout, [&] { return hold->open; })) hold->expired = true;
+  });
+  return hold;
+}
+
+bool stream_release(const std::shared_ptr<StreamHold>& hold) {
+  {
+    std::lock_guard lock(hold->mutex);
+    hold->open = true;
+  }
+  hold->cv.notify_all();
+  std::lock_guard lock(hold->mutex);
+  return !hold->expired;
+}
+// [docs:end STREAM_HOLD]
+
 // [docs:start LAUNCH_SCOPE_IMPL]
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   check_not_forked();

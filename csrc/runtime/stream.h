@@ -17,6 +17,8 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -64,6 +66,20 @@ void drain_at_exit() noexcept;
 // A testing aid: queues a task that fails with `message`, to test how code handles an
 // asynchronous device error (it surfaces at the next synchronize or query).
 void stream_inject_error(Stream* s, const std::string& message);
+
+// A testing aid: a gate queued on a stream. The stream's worker stops at it, so everything queued
+// on the stream after it stays pending, until stream_release() opens it (or `timeout_s` passes,
+// so a mistake cannot hang the process). Makes "the copy has not landed yet" deterministic
+// instead of depending on a simulated latency and on how fast the host thread is scheduled.
+struct StreamHold {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool open = false;
+  bool expired = false;
+};
+std::shared_ptr<StreamHold> stream_hold(Stream* s, double timeout_s);
+// Opens the gate; returns false if it had already opened by itself after the timeout.
+bool stream_release(const std::shared_ptr<StreamHold>& hold);
 
 // [docs:start LAUNCH_SCOPE]
 // Kernels run on the calling thread, in stream order: a LaunchScope waits until the stream's

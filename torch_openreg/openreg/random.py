@@ -33,7 +33,8 @@ def _get_generator(device: Any = "openreg") -> torch.Generator:
     index = _device_index(device)
     if not 0 <= index < len(default_generators):
         count = len(default_generators)
-        raise RuntimeError(
+        # The error type of an invalid device index everywhere (native check_device, CUDA).
+        raise torch.AcceleratorError(
             f"openreg device index is out of range: got {index}, but there "
             f"{'is 1 device' if count == 1 else f'are {count} devices'} "
             "(set OPENREG_DEVICE_COUNT to change it)"

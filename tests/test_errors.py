@@ -1,0 +1,177 @@
+"""Bad input raises the exception PyTorch raises for CUDA in the same case, with a message naming
+the problem: device index out of range, tensors on two devices in one operator, `.numpy()` on a
+device tensor, a dtype the CPU kernel does not support. Nothing crashes the process."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SAME_DEVICE = "Expected all tensors to be on the same device"
+
+
+# ---- device index out of range: torch.AcceleratorError, as CUDA's "invalid device ordinal" ----
+
+@pytest.mark.parametrize("call", [
+    lambda: torch.ones(1, device="openreg:7"),
+    lambda: torch.empty(2, 3, device="openreg:2"),
+    lambda: torch.openreg.set_device(5),
+    lambda: torch.accelerator.set_device_index(2),
+    lambda: torch.ones(1).to("openreg:2"),
+    lambda: torch.ones(1, device="openreg:0").to("openreg:2"),
+    lambda: torch.zeros(2, device="openreg:1").new_ones(2, device="openreg:3"),
+    lambda: torch.openreg.device(3).__enter__(),
+    lambda: torch.openreg.manual_seed_all(0) or torch.openreg.get_rng_state(2),
+], ids=["factory", "empty", "set_device", "accelerator", "h2d", "d2d", "new_ones", "context",
+        "rng_state"])
+def test_device_index_out_of_range(call):
+    before = torch.openreg.current_device()
+    with pytest.raises(torch.AcceleratorError, match="(?i)device index is out of range"):
+        call()
+    assert issubclass(torch.AcceleratorError, RuntimeError)
+    assert torch.openreg.current_device() == before  # nothing half-changed
+    assert torch.ones(1, device="openreg").device.index == before
+
+
+def test_out_of_range_message_names_index_and_count():
+    with pytest.raises(torch.AcceleratorError) as info:
+        torch.ones(1, device="openreg:7")
+    assert "got 7" in str(info.value) and "2 devices" in str(info.value)
+
+
+# ---- two devices in one operator: RuntimeError "Expected all tensors to be on the same device" ----
+
+def test_binary_op_with_cpu_tensor(device):
+    x = torch.ones(3, device=device)
+    with pytest.raises(RuntimeError, match=SAME_DEVICE) as info:
+        x + torch.ones(3)
+    assert "cpu" in str(info.value) and str(device) in str(info.value)
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.ones(3) * x
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.mm(torch.ones(2, 2, device=device), torch.ones(2, 2))
+
+
+def test_two_openreg_devices():
+    a = torch.ones(3, device="openreg:0")
+    b = torch.ones(3, device="openreg:1")
+    with pytest.raises(RuntimeError, match=SAME_DEVICE) as info:
+        a + b
+    assert "openreg:0" in str(info.value) and "openreg:1" in str(info.value)
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.cat([a, b])
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.where(a > 0, a, b)
+
+
+def test_in_place_and_out_across_devices(device):
+    other = "openreg:1" if str(device) == "openreg:0" else "openreg:0"
+    x = torch.ones(3, device=device)
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        x.add_(torch.ones(3))
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        x.add_(torch.ones(3, device=other))
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.add(x, x, out=torch.empty(3))  # out= on the CPU
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.add(x, x, out=torch.empty(3, device=other))
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.ones(3).add_(x)  # CPU tensor written with a device operand
+    assert torch.equal(x.cpu(), torch.ones(3))  # the failed calls wrote nothing
+
+
+def test_zero_dim_cpu_tensor_is_a_scalar_like_on_cuda(device):
+    x = torch.arange(4.0, device=device)
+    s = torch.tensor(2.5)
+    assert (x * s).device == x.device
+    torch.testing.assert_close((x * s).cpu(), torch.arange(4.0) * s)
+    torch.testing.assert_close(torch.add(x, s, alpha=2).cpu(), torch.add(torch.arange(4.0), s, alpha=2))
+    y = x.clone()
+    y.mul_(s)
+    torch.testing.assert_close(y.cpu(), torch.arange(4.0) * 2.5)
+    # Written 0-dim CPU tensors are not scalars: they would be written on the wrong device.
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        torch.sum(x, 0, out=torch.tensor(0.0))
+
+
+def test_index_with_cpu_indices_is_allowed_like_on_cuda(device):
+    x = torch.arange(5.0, device=device)
+    idx = torch.tensor([4, 0])
+    torch.testing.assert_close(x[idx].cpu(), torch.tensor([4.0, 0.0]))
+    x[idx] = torch.tensor([9.0, 8.0], device=device)
+    torch.testing.assert_close(x.cpu(), torch.tensor([8.0, 1.0, 2.0, 3.0, 9.0]))
+
+
+# ---- .numpy() ----
+
+def test_numpy_on_a_device_tensor_raises_type_error(device):
+    x = torch.ones(2, device=device)
+    with pytest.raises(TypeError, match=f"can't convert {device} device type tensor to numpy"):
+        x.numpy()
+    assert x.cpu().numpy().tolist() == [1.0, 1.0]
+
+
+# ---- dtypes the CPU kernel lacks: the CPU's own error, saying where it came from ----
+
+@pytest.mark.parametrize("call", [
+    lambda d: torch.ones(3, dtype=torch.complex64, device=d).cummax(0),
+    lambda d: torch.clamp(torch.ones(3, dtype=torch.complex64, device=d), 0, 1),
+    lambda d: torch.ones(3, device=d) & torch.ones(3, device=d),
+    lambda d: -torch.ones(3, dtype=torch.bool, device=d),
+    lambda d: torch.ones(2, 2, dtype=torch.int64, device=d).inverse(),
+], ids=["cummax-complex", "clamp-complex", "bitwise-and-float", "neg-bool", "inverse-int"])
+def test_unsupported_dtype_raises_what_the_cpu_raises(call, device):
+    with pytest.raises(Exception) as on_cpu:
+        call("cpu")
+    with pytest.raises(type(on_cpu.value)) as on_device:
+        call(device)
+    message = str(on_device.value)
+    assert str(on_cpu.value).splitlines()[0] in message
+    assert f"on {device} with its CPU kernel" in message
+
+
+def test_cpu_kernel_errors_carry_context_and_keep_their_type(device):
+    a, b = torch.ones(2, 3, device=device), torch.ones(4, 5, device=device)
+    with pytest.raises(RuntimeError) as info:
+        a @ b
+    assert "shapes cannot be multiplied" in str(info.value)
+    assert f"(while running aten::mm on {device} with its CPU kernel)" in str(info.value)
+    with pytest.raises(IndexError, match="out of bounds"):
+        torch.ones(3, device=device)[torch.tensor([5], device=device)]
+
+
+def test_sparse_conversion_fails_clearly(device):
+    with pytest.raises(NotImplementedError, match="openreg supports only strided tensors"):
+        torch.eye(3, device=device).to_sparse()
+
+
+# ---- nothing crashes ----
+
+def test_bad_calls_do_not_crash_the_process():
+    code = """
+import torch
+calls = [
+    lambda: torch.ones(1, device='openreg:9'),
+    lambda: torch.ones(2, device='openreg:0') + torch.ones(2, device='openreg:1'),
+    lambda: torch.ones(2, device='openreg').numpy(),
+    lambda: torch.ones(3, device='openreg')[10],
+    lambda: torch.ones(3, device='openreg').view(2, 2),
+    lambda: torch.ones(2, 3, device='openreg') @ torch.ones(2, 3, device='openreg'),
+    lambda: torch.ones(3, dtype=torch.complex64, device='openreg').cummax(0),
+    lambda: torch.empty(-1, device='openreg'),
+    lambda: torch.ones(3, device='openreg').expand(2, 3).add_(1),
+    lambda: (lambda x: x[1:].copy_(x[:-1]))(torch.ones(4, device='openreg')),
+    lambda: torch.eye(2, device='openreg').to_sparse(),
+    lambda: torch.ones(2, device='openreg').item(),
+]
+for c in calls:
+    try:
+        c()
+    except Exception as e:
+        print(type(e).__name__)
+print('alive')
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "alive"
+    assert len(r.stdout.split()) == 13  # every call raised

@@ -1,0 +1,467 @@
+"""Operator conformance: every operator of PyTorch's OpInfo database (`op_db`) either works on
+openreg exactly like on the CPU or is listed below with the reason it does not.
+
+How it works (docs/fallback.md, "Conformance"):
+- Entries are op/dtype pairs: each OpInfo with each of float32, int64 and bool that it supports on
+  the CPU. Entries alternate between openreg:0 and openreg:1.
+- Samples are generated for the openreg device, as PyTorch's device tests do, and the CPU
+  reference gets the same values moved to the CPU (tensors the sample function put on the CPU on
+  purpose stay there; `device=` arguments follow). The CPU runs first: samples it rejects are
+  dropped, and an entry none of whose samples runs on the CPU is not counted.
+- On openreg run the function variant, and for the first sample also the in-place variant (it
+  must return its input) and `out=` (an empty `out` the kernel has to resize), where the OpInfo
+  has them and the CPU accepts them. Results must be on the device, equal to the CPU's
+  (torch.testing.assert_close, equal_nan=True), and share memory with the same inputs as the CPU's
+  results do (views stay views).
+- Random operators (the OpInfo wraps them in wrapper_set_seed, or running them changes the CPU
+  generator's state) and operators whose result is unspecified memory (`empty*`) are compared by
+  structure only: the same shapes, dtypes and devices, not values.
+- To keep the file under ~2.5 minutes on 2 cores: at most MAX_SAMPLES samples per entry (plus a
+  non-contiguous copy of the first), samples with a tensor of more than MAX_NUMEL elements are
+  skipped, and only the first sample runs the in-place and out= variants.
+
+The whole loop runs in a subprocess (`python tests/test_op_conformance.py --json`), so that an
+operator crashing the process is reported as a failure naming the operator instead of killing the
+test session. Entries that fail are listed in KNOWN_FAILURES with the reason; a listed entry that
+starts passing fails the test (strict, so the list can only shrink) and the pass rate is asserted.
+
+Report mode: OPENREG_CONFORMANCE_REPORT=1 pytest -s tests/test_op_conformance.py prints the status
+of every entry (or run `python tests/test_op_conformance.py` directly).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+
+DTYPES = (torch.float32, torch.int64, torch.bool)
+MAX_SAMPLES = 3
+MAX_NUMEL = 20_000
+REQUIRED_PASS_RATE = 0.95
+
+# Entries ("opname[.variant]:dtype") that do not pass: the reason, and a fragment of the error they
+# must fail with (a clear one). Strict: an entry listed here that passes fails
+# test_listed_failures_still_fail, so the list can only shrink.
+_SPARSE = ("openreg supports only strided tensors (no sparse layouts, like most PyTorch backends "
+           "outside CPU/CUDA); the conversion raises NotImplementedError naming the layout",
+           "openreg supports only strided tensors")
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {
+    "to_sparse:float32": _SPARSE,
+    "to_sparse:int64": _SPARSE,
+    "to_sparse:bool": _SPARSE,
+    # The samples themselves are sparse CSR tensors made on the device.
+    "sparse.mm.reduce:float32": _SPARSE,
+    "sparse.sampled_addmm:float32": _SPARSE,
+}
+
+# Results that are unspecified memory: compared by structure only.
+UNSPECIFIED_VALUES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                      "empty_permuted"}
+
+
+# ---- comparison helpers (also used by the self-tests) ----
+
+def tree_map(fn, obj):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, torch.device):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        mapped = [tree_map(fn, o) for o in obj]
+        if hasattr(obj, "_fields"):  # namedtuple (torch.return_types are structseqs)
+            return type(obj)(mapped) if not hasattr(obj, "_make") else obj._make(mapped)
+        return type(obj)(mapped) if isinstance(obj, list) else tuple(mapped)
+    if isinstance(obj, dict):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def tensors_of(obj):
+    out = []
+    tree_map(lambda t: out.append(t) if isinstance(t, torch.Tensor) else None, obj)
+    return out
+
+
+def to_cpu(obj):
+    """A sample generated for an openreg device, moved to the CPU: its openreg tensors, and the
+    openreg devices it passes as arguments (factory functions, `to`). Tensors the sample function
+    put on the CPU on purpose (e.g. tensor_split's indices) stay there."""
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu() if x.device.type == "openreg" else x.detach()
+        if isinstance(x, torch.device) and x.type == "openreg":
+            return torch.device("cpu")
+        return x
+    if isinstance(obj, str) and obj.startswith("openreg"):
+        return "cpu"
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return type(obj)(to_cpu(o) for o in obj) if isinstance(obj, list) else tuple(
+            to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    return tree_map(move, obj)
+
+
+def clone_tree(obj):
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, obj)
+
+
+def compare(actual, expected, device, values=True, cpu_allowed=False):
+    """Raises AssertionError unless `actual` (computed on `device`) matches `expected` (CPU).
+    cpu_allowed: the sample asked for a CPU result itself (e.g. `torch.ones_like(x, device="cpu")`)."""
+    dev = torch.device(device)
+    for t in tensors_of(actual):
+        assert t.device == dev or (cpu_allowed and t.device.type == "cpu"), (
+            f"result on {t.device}, expected {dev}")
+    if not values:
+        actual_t, expected_t = tensors_of(actual), tensors_of(expected)
+        assert len(actual_t) == len(expected_t), "different number of result tensors"
+        for a, e in zip(actual_t, expected_t):
+            assert (a.shape, a.dtype) == (e.shape, e.dtype), (
+                f"result {a.shape} {a.dtype}, CPU {e.shape} {e.dtype}")
+        return
+    on_cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual)
+    if isinstance(expected, (torch.Tensor, list, tuple, dict, int, float, complex, bool)):
+        torch.testing.assert_close(on_cpu, expected, equal_nan=True, check_device=False)
+    else:
+        assert on_cpu == expected, f"{on_cpu!r} != {expected!r}"
+
+
+# ---- the conformance loop (runs in a subprocess) ----
+
+def entry_name(op, dtype):
+    name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+    return f"{name}:{str(dtype).removeprefix('torch.')}"
+
+
+def run_variant(fn, sample, inplace=False, out=None, device=None):
+    """Runs `fn` on a copy of `sample`; returns the result and the tensors it was given."""
+    inp, args, kwargs = clone_tree(sample.input), clone_tree(sample.args), clone_tree(sample.kwargs)
+    if out is not None:
+        kwargs = dict(kwargs, out=out(device))
+    result = fn(inp, *args, **kwargs)
+    if inplace:
+        assert result is inp, "the in-place variant did not return its input"
+    return result, tensors_of([inp, list(args), kwargs])
+
+
+def storage_of(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:
+        return 0
+
+
+def aliases(result, inputs):
+    """For each result tensor: the index of the input whose memory it shares, or None."""
+    ptrs = [storage_of(t) for t in inputs]
+    out = []
+    for r in tensors_of(result):
+        p = storage_of(r)
+        out.append(ptrs.index(p) if p and p in ptrs else None)
+    return out
+
+
+def empty_outs_like(result):
+    """out= arguments of size 0 (the kernel resizes them), with the result's dtypes."""
+    def make(device):
+        if isinstance(result, torch.Tensor):
+            return torch.empty(0, dtype=result.dtype, device=device)
+        return tuple(torch.empty(0, dtype=t.dtype, device=device) for t in result)
+    if isinstance(result, torch.Tensor) or (
+            isinstance(result, tuple) and result and all(isinstance(t, torch.Tensor) for t in result)):
+        return make
+    return None
+
+
+def small(sample):
+    return all(t.numel() <= MAX_NUMEL
+               for t in tensors_of([sample.input, list(sample.args), sample.kwargs]))
+
+
+def first_line(e):
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
+
+
+def check_entry(op, dtype, device):
+    """('pass' | 'fail' | 'cpu-only', detail, number of comparisons)."""
+    def samples_for(dev):
+        torch.manual_seed(0)
+        return [s for s in itertools.islice(op.sample_inputs(dev, dtype), 4 * MAX_SAMPLES)
+                if small(s)][:MAX_SAMPLES]
+    # Samples are generated for the device (as PyTorch's device tests do) and the CPU reference
+    # gets the same values moved to the CPU.
+    try:
+        samples = samples_for(device)
+    except Exception as e:
+        try:
+            samples_for("cpu")
+        except Exception:
+            return "cpu-only", "no samples on the CPU either", 0
+        return "fail", f"sample generation on {device}: {first_line(e)}", 0
+    if samples:
+        # The first sample once more with non-contiguous tensors (strided CPU aliases).
+        try:
+            samples.append(samples[0].noncontiguous())
+        except Exception:
+            pass
+    compared = 0
+    for i, sample in enumerate(samples):
+        cpu_sample = SampleInputLike(to_cpu(sample.input), to_cpu(sample.args),
+                                     to_cpu(sample.kwargs))
+        variants = [("function", op.op, {})]
+        if i == 0 and op.inplace_variant is not None:
+            variants.append(("in-place", op.inplace_variant, {"inplace": True}))
+        for label, fn, kw in variants:
+            torch.manual_seed(0)
+            state = torch.get_rng_state()
+            try:
+                expected, cpu_inputs = run_variant(fn, cpu_sample, **kw)
+            except Exception:
+                continue  # the CPU rejects this sample/variant: not counted
+            values = op.name not in UNSPECIFIED_VALUES and not random_op(op) and torch.equal(
+                state, torch.get_rng_state())
+            todo = [(label, kw, expected, cpu_inputs)]
+            if i == 0 and label == "function" and op.supports_out:
+                out = empty_outs_like(expected)
+                if out is not None:
+                    try:
+                        torch.manual_seed(0)
+                        todo.append(("out=", {"out": out, "device": device},
+                                     *run_variant(fn, cpu_sample, out=out, device="cpu")))
+                    except Exception:
+                        pass
+            for what, kw2, exp, exp_inputs in todo:
+                try:
+                    torch.manual_seed(0)
+                    actual, inputs = run_variant(fn, sample, **kw2)
+                    compare(actual, exp, device, values, asks_for_cpu(sample))
+                    assert aliases(actual, inputs) == aliases(exp, exp_inputs), (
+                        "results share memory with the inputs differently from the CPU's: "
+                        f"{aliases(actual, inputs)} vs {aliases(exp, exp_inputs)}")
+                except Exception as e:
+                    return "fail", f"{what} on {device}: {first_line(e)}", compared
+                compared += 1
+    if compared == 0:
+        return "cpu-only", "no sample runs on the CPU", 0
+    return "pass", "", compared
+
+
+def asks_for_cpu(sample):
+    """The sample function passed a CPU device itself (a cross-device `*_like` or `new_*`)."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, (torch.device, str)) and str(x).startswith("cpu"):
+            found.append(x)
+    for x in [sample.input, *sample.args, *sample.kwargs.values()]:
+        visit(x)
+    return bool(found)
+
+
+def random_op(op):
+    """Random: the OpInfo wraps it in wrapper_set_seed (it reseeds inside and restores the
+    generator after, so the CPU's state does not show it). Operators that draw from the CPU
+    generator without the wrapper are caught by the generator state changing."""
+    code = getattr(op.op, "__code__", None)
+    return code is not None and "wrapper_set_seed" in code.co_names
+
+
+class SampleInputLike:
+    def __init__(self, input, args, kwargs):
+        self.input, self.args, self.kwargs = input, args, kwargs
+
+
+def run_all(progress_path=None, names=None):
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    results = {}
+    start = time.perf_counter()
+    n = 0
+    for op in op_db:
+        for dtype in DTYPES:
+            if dtype not in op.supported_dtypes("cpu"):
+                continue
+            name = entry_name(op, dtype)
+            if names is not None and name not in names:
+                continue
+            device = f"openreg:{n % 2}"  # entries alternate between the two devices
+            n += 1
+            if progress_path:  # a crash leaves the name of the entry that crashed here
+                with open(progress_path, "w") as f:
+                    f.write(name)
+            t0 = time.perf_counter()
+            try:
+                status, detail, count = check_entry(op, dtype, device)
+            except Exception as e:
+                status, detail, count = "fail", f"harness: {first_line(e)}", 0
+            results[name] = {"status": status, "detail": detail, "samples": count,
+                             "device": device, "seconds": round(time.perf_counter() - t0, 4)}
+    return results, time.perf_counter() - start
+
+
+def print_report(results, file=sys.stdout):
+    for name, r in sorted(results.items()):
+        listed = " (listed)" if name in KNOWN_FAILURES else ""
+        print(f"{r['status']:8} {name}{listed} {r['detail']}", file=file)
+    counted = [r for r in results.values() if r["status"] != "cpu-only"]
+    passed = sum(r["status"] == "pass" for r in counted)
+    print(f"{passed}/{len(counted)} entries pass ({len(results) - len(counted)} do not run on the "
+          "CPU)", file=file)
+
+
+# ---- the tests ----
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def conformance(tmp_path_factory):
+    progress = tmp_path_factory.mktemp("conformance") / "progress"
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--json"], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT,
+                       env=dict(os.environ, OPENREG_CONFORMANCE_PROGRESS=str(progress)))
+    if r.returncode != 0:
+        last = progress.read_text() if progress.exists() else "?"
+        pytest.fail(f"the conformance run died (exit code {r.returncode}) while running {last}:\n"
+                    f"{r.stderr[-3000:]}")
+    data = json.loads(r.stdout)
+    if os.environ.get("OPENREG_CONFORMANCE_REPORT"):
+        print()
+        print_report(data["results"])
+        print(f"{data['seconds']:.1f} s in the conformance loop")
+    return data["results"]
+
+
+def test_pass_rate(conformance):
+    counted = {k: v for k, v in conformance.items() if v["status"] != "cpu-only"}
+    passed = [k for k, v in counted.items() if v["status"] == "pass"]
+    ops = {k.rsplit(":", 1)[0] for k in counted}
+    ops_passed = ops - {k.rsplit(":", 1)[0] for k, v in counted.items() if v["status"] != "pass"}
+    assert len(counted) > 1000, f"only {len(counted)} op/dtype entries ran: is op_db complete?"
+    rate = len(passed) / len(counted)
+    print(f"\n{len(passed)}/{len(counted)} op/dtype entries pass ({rate:.1%}); "
+          f"{len(ops_passed)}/{len(ops)} ops pass for every dtype")
+    assert rate >= REQUIRED_PASS_RATE, f"pass rate {rate:.1%} < {REQUIRED_PASS_RATE:.0%}"
+
+
+def test_every_failure_is_listed(conformance):
+    unexpected = {k: v["detail"] for k, v in conformance.items()
+                  if v["status"] == "fail" and k not in KNOWN_FAILURES}
+    assert not unexpected, "entries failing on openreg:\n" + "\n".join(
+        f"  {k}: {d}" for k, d in sorted(unexpected.items()))
+
+
+def test_listed_failures_still_fail(conformance):
+    """Strict expected failures: fix an entry, then remove it from KNOWN_FAILURES."""
+    now_passing = [k for k in KNOWN_FAILURES if conformance.get(k, {}).get("status") != "fail"]
+    assert not now_passing, f"listed in KNOWN_FAILURES but not failing (remove them): {now_passing}"
+
+
+def test_listed_failures_fail_with_a_clear_message(conformance):
+    for name, (_, fragment) in KNOWN_FAILURES.items():
+        assert fragment in conformance[name]["detail"], (name, conformance[name]["detail"])
+
+
+# ---- self-tests: the comparison can fail ----
+
+class FakeOp:
+    """The part of an OpInfo that check_entry uses, around a function of our own."""
+    variant_test_name = ""
+    supports_out = False
+
+    def __init__(self, fn, inplace=None, make=lambda dev: [torch.arange(6.0, device=dev)],
+                 name="fake"):
+        self.op, self.inplace_variant, self.make, self.name = fn, inplace, make, name
+
+    def sample_inputs(self, device, dtype):
+        return [SampleInputLike(t, (), {}) for t in self.make(device)]
+
+
+def on_device(x):
+    return x.device.type == "openreg"
+
+
+@pytest.mark.parametrize("device", ["openreg:0", "openreg:1"])
+def test_a_correct_op_passes(device):
+    assert check_entry(FakeOp(lambda x: x * 2), torch.float32, device)[0] == "pass"
+
+
+def test_wrong_values_are_detected():
+    status, detail, _ = check_entry(FakeOp(lambda x: x * 2 + on_device(x)), torch.float32,
+                                    "openreg:0")
+    assert status == "fail" and "not close" in detail
+
+
+def test_a_result_left_on_the_cpu_is_detected():
+    status, detail, _ = check_entry(FakeOp(lambda x: (x * 2).cpu()), torch.float32, "openreg:1")
+    assert status == "fail" and "result on cpu, expected openreg:1" in detail
+
+
+def test_a_wrong_dtype_is_detected():
+    status, detail, _ = check_entry(FakeOp(lambda x: x.double() if on_device(x) else x),
+                                    torch.float32, "openreg:0")
+    assert status == "fail" and "dtype" in detail
+
+
+def test_an_in_place_variant_that_does_not_return_its_input_is_detected():
+    op = FakeOp(lambda x: x + 1, inplace=lambda x: x.add_(1) if not on_device(x) else x + 1)
+    status, detail, _ = check_entry(op, torch.float32, "openreg:0")
+    assert status == "fail" and "did not return its input" in detail
+
+
+def test_a_lost_view_is_detected():
+    op = FakeOp(lambda x: x.clone().view(2, 3) if on_device(x) else x.view(2, 3))
+    status, detail, _ = check_entry(op, torch.float32, "openreg:0")
+    assert status == "fail" and "share memory" in detail
+
+
+def test_random_ops_are_compared_by_structure():
+    assert check_entry(FakeOp(torch.rand_like), torch.float32, "openreg:0")[0] == "pass"
+    wrong_shape = FakeOp(lambda x: torch.rand_like(x[1:] if on_device(x) else x))
+    status, detail, _ = check_entry(wrong_shape, torch.float32, "openreg:0")
+    assert status == "fail" and "result torch.Size([5])" in detail
+
+
+def test_ops_the_cpu_rejects_are_not_counted():
+    def cpu_rejects(x):
+        if not on_device(x):
+            raise RuntimeError("no")
+        return x
+    assert check_entry(FakeOp(cpu_rejects), torch.float32, "openreg:0")[0] == "cpu-only"
+
+
+def test_a_result_on_the_cpu_is_accepted_only_when_the_sample_asks_for_it():
+    asks = FakeOp(lambda x, device=None: torch.ones_like(x, device=device),
+                  make=lambda dev: [torch.arange(3.0, device=dev)])
+    asks.sample_inputs = lambda dev, dtype: [
+        SampleInputLike(torch.arange(3.0, device=dev), (), {"device": "cpu"})]
+    assert check_entry(asks, torch.float32, "openreg:1")[0] == "pass"
+
+
+def test_samples_keep_the_cpu_tensors_a_sample_function_put_on_the_cpu():
+    sample = SampleInputLike(torch.ones(2, device="openreg:1"), (torch.tensor([1]),),
+                             {"device": torch.device("openreg:1")})
+    cpu = to_cpu([sample.input, sample.args, sample.kwargs])
+    assert cpu[0].device.type == "cpu" and cpu[1][0] is not None
+    assert cpu[2]["device"] == torch.device("cpu")
+    assert to_cpu(("openreg:0", 3)) == ("cpu", 3)
+
+
+if __name__ == "__main__":
+    progress = os.environ.get("OPENREG_CONFORMANCE_PROGRESS")
+    only = os.environ.get("OPENREG_CONFORMANCE_ONLY")
+    results, seconds = run_all(progress, set(only.split(",")) if only else None)
+    if "--json" in sys.argv:
+        json.dump({"results": results, "seconds": seconds}, sys.stdout)
+    else:
+        print_report(results)
+        print(f"{seconds:.1f} s")
