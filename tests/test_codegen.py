@@ -47,7 +47,7 @@ def test_zeros_and_full_match_cpu(device, dtype):
     torch.testing.assert_close(f.cpu(), torch.full((4, 2), value, dtype=dtype))
 
 
-def test_fill_strided_views(device):
+def test_fill_strided_and_conjugate_views(device):
     x = torch.arange(24.0).reshape(4, 6)
     d = x.to(device)
     d[:, 1::2].fill_(-1.5)
@@ -55,6 +55,12 @@ def test_fill_strided_views(device):
     d.t()[2].zero_()
     x.t()[2].zero_()
     torch.testing.assert_close(d.cpu(), x)
+    c = torch.zeros(3, dtype=torch.complex64)
+    cd = c.to(device)
+    c.conj().fill_(1 + 2j)
+    cd.conj().fill_(1 + 2j)
+    torch.testing.assert_close(cd.cpu(), c)
+    assert cd.cpu()[0] == 1 - 2j  # stored conjugated, read back through the view as 1+2j
 
 
 def test_fill_tensor_value(device):
