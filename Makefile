@@ -3,7 +3,7 @@
 #   make test   - set up .venv, build torch_openreg, run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NATIVE := $(shell find csrc -name '*.cpp' -o -name '*.h')
+NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 
 .PHONY: demo test bench install clean
 

@@ -12,9 +12,36 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+# [docs:start CODEGEN]
+CODEGEN_YAML = os.path.join("csrc", "routes", "codegen.yaml")
+GENERATED = os.path.join("build", "generated")  # included as "build/generated/..." from csrc
+
+
+def generate_registrations():
+    """torchgen's external-backend codegen (docs/codegen.md): CODEGEN_YAML -> GENERATED."""
+    import torchgen.gen_backend_stubs
+
+    outputs = [os.path.join(ROOT, GENERATED, f)
+               for f in ("PrivateUse1NativeFunctions.h", "RegisterPrivateUse1.cpp")]
+    inputs = [os.path.join(ROOT, CODEGEN_YAML), torchgen.gen_backend_stubs.__file__]
+    if all(os.path.exists(o) for o in outputs) and \
+            min(map(os.path.getmtime, outputs)) > max(map(os.path.getmtime, inputs)):
+        return  # up to date (torchgen also leaves unchanged files untouched)
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the generated code includes its header by the path given here
+    try:
+        torchgen.gen_backend_stubs.run(CODEGEN_YAML, GENERATED, dry_run=False)
+    finally:
+        os.chdir(cwd)
+    for o in outputs:
+        os.utime(o)
+# [docs:end CODEGEN]
+
+
 def sources():
+    generate_registrations()
     files = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
-    return files
+    return files + [os.path.join(GENERATED, "RegisterPrivateUse1.cpp")]
 
 
 setup(
@@ -22,7 +49,7 @@ setup(
         CppExtension(
             name="torch_openreg._C",
             sources=sources(),
-            include_dirs=[os.path.join(ROOT, "csrc")],
+            include_dirs=[os.path.join(ROOT, "csrc"), ROOT],
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
                                 "-fopenmp-simd"],
         )

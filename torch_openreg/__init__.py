@@ -40,3 +40,7 @@ def _register() -> None:
 
 if torch._C._get_privateuse1_backend_name() != "openreg":
     _register()
+
+# Operator routes written in Python (the C++ ones live in csrc/routes/): kernels for aten
+# operators, and custom operators in the `openreg` namespace. Registered once, at import.
+from torch_openreg import custom_ops, python_kernels  # noqa: E402,F401

@@ -284,6 +284,8 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 
 }  // namespace
 
+void generic_fallback(const c10::OperatorHandle& op, c10::Stack* stack) { fallback(op, stack); }
+
 // Operators whose PrivateUse1 slot PyTorch fills with a composite kernel (structured operators'
 // functional and in-place wrappers, foreach operators) although a CPU kernel does the job in one
 // call: through the composite, `mul` would allocate its output and run its meta function, then run

@@ -6,6 +6,7 @@
 #include "adapters/device_allocator.h"
 #include "adapters/host_allocator.h"
 #include "ops/cpu_kernel.h"
+#include "routes/op_fallback.h"
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -221,6 +222,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
+  warn_or_error_on_sync("aten::_local_scalar_dense");  // item(): the host waits for the device
   HostKernel k(tensor_device(self));
   return at::_local_scalar_dense(k.alias(self));
 }

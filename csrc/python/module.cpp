@@ -4,6 +4,8 @@
 #include "adapters/generator.h"
 #include "adapters/host_allocator.h"
 #include "ops/fallback.h"
+#include "routes/call_counter.h"
+#include "routes/op_fallback.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 
@@ -17,6 +19,11 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- operators (ops/fallback.cpp): after every static registration of the process
   openreg::route_composites_to_fallback();
+
+  // ---- operator routes (routes/): per-route call counters, for tests; sync debug mode
+  m.def("_route_calls", [](const std::string& route) { return openreg::call_counter(route).load(); });
+  m.def("_set_sync_debug_mode", &openreg::set_sync_debug_mode);
+  m.def("_get_sync_debug_mode", &openreg::get_sync_debug_mode);
 
   // ---- device (runtime/device.cpp)
   m.def("_device_count", &openreg::device_count);

@@ -184,6 +184,29 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+# [docs:start SYNC_DEBUG_MODE]
+_SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}
+
+
+def set_sync_debug_mode(debug_mode: int | str) -> None:
+    """Like ``torch.cuda.set_sync_debug_mode``: "default"/0 does nothing, "warn"/1 warns and
+    "error"/2 raises when an operator makes the host wait for the device (``nonzero``,
+    ``masked_select``, ``unique``, ``equal``, ``item()``...). See docs/op_fallback.md."""
+    if isinstance(debug_mode, str):
+        if debug_mode not in _SYNC_DEBUG_MODES:
+            raise RuntimeError(
+                "invalid value of debug_mode, expected one of `default`, `warn`, `error`"
+            )
+        debug_mode = _SYNC_DEBUG_MODES[debug_mode]
+    _C._set_sync_debug_mode(debug_mode)
+
+
+def get_sync_debug_mode() -> int:
+    """The current sync debug mode (0, 1 or 2)."""
+    return _C._get_sync_debug_mode()
+# [docs:end SYNC_DEBUG_MODE]
+
+
 from . import amp  # noqa: E402
 from .storage import *  # noqa: E402,F401,F403
 from .amp import get_amp_supported_dtype  # noqa: E402,F401

@@ -1,0 +1,84 @@
+// Native because: the kernels torchgen's generated registration calls are C++ functions with the
+// declarations it generated (build/generated/PrivateUse1NativeFunctions.h).
+//
+// Route: torchgen external-backend codegen. csrc/routes/codegen.yaml lists operators; at build
+// time torchgen.gen_backend_stubs turns it into a header of kernel declarations (a struct of
+// static functions, one per operator, with the C++ signature ATen uses) and a registration file
+// (wrappers + TORCH_LIBRARY_IMPL). This file defines the kernels; the build fails if one is
+// missing. This is how backends with hundreds of kernels keep signatures in sync with PyTorch.
+//
+// openreg uses it for filling memory (torch.zeros, torch.full, zero_grad, optimizer states):
+// dense tensors are filled directly in device memory, without the fallback's CPU aliases.
+#include "build/generated/PrivateUse1NativeFunctions.h"
+
+#include "ops/cpu_kernel.h"
+#include "routes/call_counter.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <ATen/Dispatch_v2.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/copy.h>
+#include <ATen/ops/fill.h>
+#include <ATen/TensorIterator.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace openreg::codegen {
+namespace {
+
+std::atomic<int64_t>& fill_calls = call_counter("codegen.fill_");
+std::atomic<int64_t>& zero_calls = call_counter("codegen.zero_");
+
+// Dense: the elements occupy exactly numel() consecutive slots from data_ptr() (any dense
+// permutation of dimensions), so filling is a plain loop over memory. Conjugate or negative views
+// store transformed values: the CPU kernel on device memory handles those and strided views.
+bool fills_directly(const at::Tensor& self) {
+  return self.is_non_overlapping_and_dense() && !self.is_conj() && !self.is_neg() &&
+         !at::isQIntType(self.scalar_type()) && !at::isBitsType(self.scalar_type());
+}
+
+at::Tensor& fill_on_cpu_kernel(at::Tensor& self, const at::Scalar& value) {
+  HostKernel k(self.device().index());
+  k.alias(self).fill_(value);
+  return self;
+}
+
+}  // namespace
+
+// [docs:start KERNELS]
+at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Scalar& value) {
+  fill_calls.fetch_add(1, std::memory_order_relaxed);
+  if (!fills_directly(self)) return fill_on_cpu_kernel(self, value);
+  AT_DISPATCH_V2(self.scalar_type(), "fill_", AT_WRAP([&] {
+    const scalar_t v = value.to<scalar_t>();  // raises if the value overflows the dtype
+    scalar_t* data = self.mutable_data_ptr<scalar_t>();
+    LaunchScope launch(current_stream(self.device().index()));
+    KernelScope on_device;
+    at::parallel_for(0, self.numel(), at::internal::GRAIN_SIZE,
+                     [&](int64_t begin, int64_t end) { std::fill(data + begin, data + end, v); });
+  }), AT_EXPAND(AT_ALL_TYPES_AND_COMPLEX), at::kBool, at::kHalf, at::kBFloat16, at::kComplexHalf,
+      AT_EXPAND(AT_FLOAT8_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
+  return self;
+}
+
+at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Tensor& value) {
+  TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ",
+              value.dim(), " dimensions.");
+  if (value.is_cpu()) return fill_(self, value.item());
+  return self.copy_(value);  // a device value: broadcast on the device, no wait for the host
+}
+
+at::Tensor& PrivateUse1NativeFunctions::zero_(at::Tensor& self) {
+  zero_calls.fetch_add(1, std::memory_order_relaxed);
+  if (!fills_directly(self)) return fill_(self, 0);
+  if (self.numel() == 0) return self;
+  LaunchScope launch(current_stream(self.device().index()));
+  KernelScope on_device;
+  std::memset(self.mutable_data_ptr(), 0, self.numel() * self.element_size());  // 0 in every dtype
+  return self;
+}
+// [docs:end KERNELS]
+
+}  // namespace openreg::codegen
