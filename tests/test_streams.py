@@ -460,3 +460,15 @@ def test_hold_stream_rejects_bad_arguments():
     with pytest.raises(ValueError, match="timeout must be positive"):
         with hold_stream(timeout=0):
             pass
+
+
+def test_query_is_true_as_soon_as_synchronize_returns(device):
+    # The event behind which synchronize waits completes only after the stream counts the work
+    # before it as done, so no window remains where synchronize returned but query() is False.
+    x = torch.arange(N, dtype=torch.float32, device=device)
+    host = torch.empty(N).pin_memory()
+    stream = torch.openreg.current_stream(device)
+    for _ in range(200):
+        host.copy_(x, non_blocking=True)
+        stream.synchronize()
+        assert stream.query()

@@ -88,7 +88,10 @@ class Stream {
 
   void end_kernel() { finish(kRunning); }
 
-  void enqueue(std::function<void()> task) {
+  // `task` runs on the worker; `after` (optional) runs once the task counts as done, i.e. after
+  // the stream's state was updated: an event completed there is never observed before
+  // query() of the stream sees the work behind which it was recorded as finished.
+  void enqueue(std::function<void()> task, std::function<void()> after = nullptr) {
     std::lock_guard lock(mutex_);
     if (!worker_started_) {
       lazy_init();  // a forked child of a process with workers must know it is a bad fork
@@ -96,7 +99,7 @@ class Stream {
       std::thread([this] { run(); }).detach();  // lives as long as the process
       worker_started_ = true;
     }
-    queue_.push_back(std::move(task));
+    queue_.push_back({std::move(task), std::move(after)});
     state_.fetch_add(kQueued);
     work_cv_.notify_one();
   }
@@ -149,19 +152,20 @@ class Stream {
 
   void run() {
     for (;;) {
-      std::function<void()> task;
+      std::function<void()> task, after;
       {
         std::unique_lock lock(mutex_);
         work_cv_.wait(lock, [&] { return !queue_.empty(); });
         waiters_.fetch_add(1);
         cv_.wait(lock, [&] { return try_begin_task(); });
         waiters_.fetch_sub(1);
-        task = std::move(queue_.front());
+        task = std::move(queue_.front().task);
+        after = std::move(queue_.front().after);
         queue_.pop_front();
       }
       push_held(this);
       try {
-        task();
+        if (task) task();
         task = nullptr;  // release captured tensors before the work counts as done
       } catch (...) {
         task = nullptr;
@@ -172,8 +176,14 @@ class Stream {
       }
       pop_held(this);
       finish(kRunning + kQueued);
+      if (after) after();
     }
   }
+
+  struct Item {
+    std::function<void()> task;
+    std::function<void()> after;
+  };
 
   const int device_;
   const int64_t id_;
@@ -182,7 +192,7 @@ class Stream {
   std::mutex mutex_;
   std::condition_variable cv_;       // state_ changed (for waiting kernels and the worker)
   std::condition_variable work_cv_;  // a task was queued (for the idle worker)
-  std::deque<std::function<void()>> queue_;
+  std::deque<Item> queue_;
   bool worker_started_ = false;
   std::string error_;
   std::atomic<bool> has_error_{false};
@@ -488,7 +498,9 @@ void event_record(const EventPtr& e, Stream* s) {
   if (s->idle() || held_here(s)) {
     complete(e, version);
   } else {
-    stream_enqueue(s, [e, version] { complete(e, version); });
+    // The event completes after the stream's state counts everything before it as done.
+    check_not_forked();
+    s->enqueue(nullptr, [e, version] { complete(e, version); });
   }
 }
 // [docs:end EVENT_RECORD]
