@@ -324,3 +324,17 @@ def test_bad_device_index(fn):
         fn(5)
     with pytest.raises(ValueError, match="openreg"):
         fn("cpu")
+
+
+def test_mid_sized_blocks_reuse_a_segment_whose_pieces_merged(device):
+    # 2 MiB requests are carved from 20 MiB segments; once all pieces are freed they merge back
+    # into one 20 MiB free block, which must serve the next 2 MiB request (a bug once reserved a
+    # new segment each time: a small CNN reserved 2.4 GB in 13 training steps).
+    torch.openreg.synchronize(device)
+    torch.openreg.empty_cache()
+    reserved = []
+    for _ in range(10):
+        tensors = [torch.empty(2 << 20, dtype=torch.uint8, device=device) for _ in range(3)]
+        del tensors
+        reserved.append(torch.openreg.memory_reserved(device))
+    assert reserved[-1] == reserved[0], reserved

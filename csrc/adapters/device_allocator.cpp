@@ -244,8 +244,10 @@ class DeviceCache {
     auto it = pool.lower_bound(&key);
     if (it == pool.end() || (*it)->stream != stream) return nullptr;
     Block* block = *it;
-    // Do not let a huge cached block serve a much smaller large request.
-    if (!block->small && size < kMinLargeAlloc && block->size >= kMinLargeAlloc) return nullptr;
+    // Any cached block at least as large serves the request (it is split below), as in CUDA's
+    // allocator with its default settings. (Refusing blocks of 10 MiB and more for smaller
+    // requests made every 1-10 MiB request reserve a new 20 MiB segment once the free pieces of
+    // a segment had merged back: the CNN benchmark reserved 2.4 GB in 13 steps.)
     pool.erase(it);
     return block;
   }

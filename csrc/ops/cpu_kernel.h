@@ -19,10 +19,27 @@
 
 namespace openreg {
 
+// OpenMP team size of kernels on autograd worker threads: see cpu_kernel.cpp (KERNEL_THREADS).
+namespace kernel_threads {
+// 0: not an autograd worker thread (or the policy is off); otherwise the team size for a large
+// kernel. Set by configure() on the thread's first kernel.
+extern thread_local int autograd_team;
+void configure();
+void begin_kernel();                // small team (1 thread) for the kernel about to run
+void note_argument(size_t nbytes);  // a large enough kernel gets the full team
+}  // namespace kernel_threads
+
 class HostKernel {
  public:
   explicit HostKernel(int device)
-      : device_(device), launch_(current_stream(device)), allocate_(device) {}
+      : device_(device), launch_(current_stream(device)), allocate_(device) {
+    thread_local bool configured = false;
+    if (!configured) {
+      configured = true;
+      kernel_threads::configure();
+    }
+    if (kernel_threads::autograd_team > 0) kernel_threads::begin_kernel();
+  }
 
   int device() const { return device_; }
 
