@@ -27,8 +27,12 @@ class MLP(nn.Module):
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
+        # No conv bias before BatchNorm: its gradient is zero up to rounding (BatchNorm subtracts
+        # the mean), and Adam turns rounding differences (another summation order on another
+        # thread count) into lr-sized steps. Conv bias gradients are checked by gradcheck in
+        # tests/test_autograd.py.
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
             nn.AvgPool2d(2),
         )
