@@ -1,12 +1,10 @@
 // Native because: this is the per-operator hot path of the generic fallback.
 #include "ops/cpu_kernel.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
@@ -75,7 +73,6 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
   }
   at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
   tensors_.push_back({cpu, t});
-  if (kernel_threads::autograd_team > 0) kernel_threads::note_argument(t.numel() * t.element_size());
   return cpu;
 }
 
@@ -167,51 +164,22 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
 // each phase competes with the other team's spinning workers: measured on 2 cores, the MLP step
 // went from 1.8 ms to 3.4 ms and every phase slowed down, not only backward (DESIGN.md pitfall
 // 1). So kernels on the autograd threads run with one OpenMP thread: no second team exists.
-// Kernels whose arguments exceed OPENREG_AUTOGRAD_PARALLEL_BYTES (default: none) get the full
-// team; measured, a 1 MiB threshold sped up the CNN's convolution backward but the team's
-// spinning then slowed the rest of the process (the CPU transformer step took 2x longer), so it
-// is off by default. OPENREG_AUTOGRAD_OMP_THREADS=0 turns the policy off (torch's own setting).
-namespace kernel_threads {
-namespace {
-using SetNumThreads = void (*)(int);
-SetNumThreads omp_set_num_threads_fn = nullptr;
-size_t parallel_bytes = SIZE_MAX;
-thread_local int current_team = 0;
-thread_local size_t kernel_bytes = 0;
-
-void set_team(int n) {
-  if (current_team == n) return;
-  omp_set_num_threads_fn(n);  // this thread's team only; at::set_num_threads is process-wide
-  current_team = n;
-}
-}  // namespace
-
-thread_local int autograd_team = 0;
-
-void configure() {
+// (Giving large kernels the full team was measured too: it sped up the CNN's convolution
+// backward, but the second team's spinning then slowed the rest of the process 2x.)
+// OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting.
+void configure_kernel_thread() {
   char name[16] = {0};
   if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return;
   if (std::strncmp(name, "pt_autograd_", 12) != 0) return;
-  int threads = at::get_num_threads();
+  int threads = 1;
   if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
   if (threads <= 0) return;
-  if (const char* env = std::getenv("OPENREG_AUTOGRAD_PARALLEL_BYTES"))
-    parallel_bytes = std::strtoull(env, nullptr, 10);
-  omp_set_num_threads_fn = reinterpret_cast<SetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  if (omp_set_num_threads_fn == nullptr) return;  // not the OpenMP build of torch
-  autograd_team = threads;
+  // This thread's team only (at::set_num_threads would change it for the whole process), in
+  // the OpenMP runtime torch is linked with.
+  using SetNumThreads = void (*)(int);
+  auto set_num_threads = reinterpret_cast<SetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  if (set_num_threads != nullptr) set_num_threads(threads);
 }
-
-void begin_kernel() {
-  kernel_bytes = 0;
-  set_team(1);
-}
-
-void note_argument(size_t nbytes) {
-  kernel_bytes += nbytes;
-  if (kernel_bytes >= parallel_bytes) set_team(autograd_team);
-}
-}  // namespace kernel_threads
 // [docs:end KERNEL_THREADS]
 
 }  // namespace openreg

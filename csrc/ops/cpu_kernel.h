@@ -19,15 +19,9 @@
 
 namespace openreg {
 
-// OpenMP team size of kernels on autograd worker threads: see cpu_kernel.cpp (KERNEL_THREADS).
-namespace kernel_threads {
-// 0: not an autograd worker thread (or the policy is off); otherwise the team size for a large
-// kernel. Set by configure() on the thread's first kernel.
-extern thread_local int autograd_team;
-void configure();
-void begin_kernel();                // small team (1 thread) for the kernel about to run
-void note_argument(size_t nbytes);  // a large enough kernel gets the full team
-}  // namespace kernel_threads
+// Called once per thread, before its first kernel: OpenMP threads of kernels on the autograd
+// worker threads (cpu_kernel.cpp, KERNEL_THREADS).
+void configure_kernel_thread();
 
 class HostKernel {
  public:
@@ -36,9 +30,8 @@ class HostKernel {
     thread_local bool configured = false;
     if (!configured) {
       configured = true;
-      kernel_threads::configure();
+      configure_kernel_thread();
     }
-    if (kernel_threads::autograd_team > 0) kernel_threads::begin_kernel();
   }
 
   int device() const { return device_; }

@@ -274,8 +274,12 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       c10::List<at::Tensor> out;
       out.reserve(list.size());
       for (const at::Tensor& t : list) {
-        if (t.defined() && t.is_cpu()) check_strided_result(t, op);
-        out.push_back(t.defined() && t.is_cpu() ? kernel.result(t) : t);
+        if (t.defined() && t.is_cpu()) {
+          check_strided_result(t, op);
+          out.push_back(kernel.result(t));
+        } else {
+          out.push_back(t);
+        }
       }
       v = std::move(out);
     }
