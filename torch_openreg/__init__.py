@@ -17,6 +17,8 @@ def _autoload() -> None:
 # [docs:end AUTOLOAD]
 
 
+import atexit  # noqa: E402
+
 import torch  # noqa: E402
 
 # The native core registers, when loaded: the device allocator, the pinned-memory allocator, the
@@ -40,6 +42,10 @@ def _register() -> None:
 
 if torch._C._get_privateuse1_backend_name() != "openreg":
     _register()
+
+# The autograd worker threads of openreg finish what they hold of the last backward before the
+# interpreter finalizes; otherwise a script may abort at exit (csrc/adapters/autograd.cpp).
+atexit.register(_C._release_autograd_graphs)
 
 # Operator routes written in Python (the C++ ones live in csrc/routes/): kernels for aten
 # operators, and custom operators in the `openreg` namespace. Registered once, at import.

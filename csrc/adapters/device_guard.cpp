@@ -5,6 +5,7 @@
 // torch.Event, torch.accelerator) reaches the openreg runtime: current device, streams, events.
 #include "runtime/device.h"
 #include "runtime/stream.h"
+#include "adapters/autograd.h"
 #include "adapters/device_allocator.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -39,6 +40,7 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void setDevice(c10::Device d) const override {
     TORCH_CHECK(d.type() == kType, "openreg guard got a ", d.type(), " device");
     set_current_device(d.index());
+    note_current_device_set(d.index());  // the autograd engine's worker threads start here
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0 && d.index() < device_count()) set_current_device(d.index());

@@ -1,5 +1,6 @@
 // Native because: the Python extension module torch_openreg._C, exposing the native runtime to
 // torch_openreg/openreg (the torch.openreg device module). Grouped by mechanism.
+#include "adapters/autograd.h"
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
 #include "adapters/host_allocator.h"
@@ -68,6 +69,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("_drain_at_exit", [] {
     py::gil_scoped_release no_gil;
     openreg::drain_at_exit();
+  });
+
+  // ---- autograd (adapters/autograd.cpp)
+  m.def("_release_autograd_graphs", [] {
+    py::gil_scoped_release no_gil;
+    openreg::release_autograd_graphs();
   });
 
   // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator

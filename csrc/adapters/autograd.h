@@ -1,0 +1,16 @@
+// Native because: the exit-time flush drives the autograd engine with a graph that must hold no
+// Python object, which only a graph built in C++ guarantees (see autograd.cpp).
+#pragma once
+
+namespace openreg {
+
+// Called by the DeviceGuard when a thread sets its current device: notes which openreg devices
+// have an autograd engine worker thread ("pt_autograd_<n>"). Cheap after a thread's first call.
+void note_current_device_set(int device);
+
+// Makes every openreg autograd worker thread finish what it holds of the last backward, so that
+// nothing of it is released after the interpreter starts finalizing. Called by an atexit handler
+// (torch_openreg/__init__.py) without the GIL. Never throws.
+void release_autograd_graphs() noexcept;
+
+}  // namespace openreg
