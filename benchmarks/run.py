@@ -1,10 +1,16 @@
 """CPU and openreg side by side, in one process, with default autograd settings.
 
-    python benchmarks/run.py [--rounds R] [--steps N] [--device openreg:0] [workload ...]
+    python benchmarks/run.py [--rounds R] [--steps N] [--device openreg:0] [--phases]
+                             [--backward-on-caller] [workload ...]
 
 Rounds alternate CPU and openreg so that both see the same machine load; the reported time is
 the median over all measured steps, the ratio is openreg / CPU. Targets (from the project's
 issues): training steps within 1.2x of the CPU, the tiny-op loop within 3x.
+
+--phases also prints the median forward, backward and optimizer time of the training steps.
+--backward-on-caller runs backward on the thread that calls it (autograd multithreading off), for
+both devices: not openreg's configuration, but the bound on what the device threads cost
+(docs/autograd.md).
 """
 
 from __future__ import annotations
@@ -30,16 +36,29 @@ def measure(step, n: int) -> list[float]:
     return times
 
 
-def bench(name: str, device: str, rounds: int, steps: int) -> tuple[float, float]:
+def bench(name: str, device: str, rounds: int, steps: int, phases: dict) -> tuple[float, float]:
+    """Median step time on the CPU and on `device`; fills phases[device] with the per-step
+    (forward, backward, optimizer) times of training workloads."""
     build, _ = WORKLOADS[name]
-    cpu_step, dev_step = build("cpu"), build(device)
-    for step in (cpu_step, dev_step):  # warm-up: caches, allocator, autograd threads
+    timed = name.endswith("_train_step")
+    steps_by_device = {}
+    for d in ("cpu", device):
+        phases[d] = []
+        steps_by_device[d] = build(d, phases=phases[d]) if timed else build(d)
+    for d, step in steps_by_device.items():  # warm-up: caches, allocator, autograd threads
         measure(step, max(3, steps // 4))
-    cpu, dev = [], []
+        phases[d].clear()
+    times = {d: [] for d in steps_by_device}
     for _ in range(rounds):
-        cpu += measure(cpu_step, steps)
-        dev += measure(dev_step, steps)
-    return statistics.median(cpu), statistics.median(dev)
+        for d, step in steps_by_device.items():
+            times[d] += measure(step, steps)
+    return statistics.median(times["cpu"]), statistics.median(times[device])
+
+
+def phase_line(phases: list) -> str:
+    if not phases:
+        return ""
+    return " / ".join(f"{statistics.median(p) * 1e3:.3f}" for p in zip(*phases))
 
 
 def main() -> int:
@@ -48,17 +67,27 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="openreg:0")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print forward / backward / optimizer medians (ms)")
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="autograd multithreading off for both devices (not openreg's setup)")
     args = parser.parse_args()
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} cores, device {args.device}\n")
-    print("| workload | cpu | openreg | ratio | target |")
-    print("|---|---|---|---|---|")
+    if args.backward_on_caller:
+        print("backward on the calling thread (autograd multithreading off): not openreg's "
+              "configuration\n")
+    print("| workload | cpu | openreg | ratio | target |" + (" cpu fwd / bwd / opt | openreg fwd / bwd / opt |" if args.phases else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if args.phases else ""))
     failed = False
     for name in args.workloads:
         target = WORKLOADS[name][1]
+        phases: dict = {}
         try:
-            cpu, dev = bench(name, args.device, args.rounds, args.steps)
+            cpu, dev = bench(name, args.device, args.rounds, args.steps, phases)
         except Exception as e:  # report and go on with the other workloads
             print(f"| {name} | error: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | |")
             failed = True
@@ -66,8 +95,10 @@ def main() -> int:
         ratio = dev / cpu
         ok = ratio <= target
         failed |= not ok
+        extra = (f" {phase_line(phases['cpu'])} | {phase_line(phases[args.device])} |"
+                 if args.phases else "")
         print(f"| {name} | {cpu * 1e3:.3f} ms | {dev * 1e3:.3f} ms | {ratio:.2f}x | "
-              f"<= {target}x {'ok' if ok else 'MISSED'} |", flush=True)
+              f"<= {target}x {'ok' if ok else 'MISSED'} |" + extra, flush=True)
     return 1 if failed else 0
 
 

@@ -3,6 +3,7 @@ device and returns a step function; the same seed gives the same model on every 
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -25,27 +26,34 @@ def tiny_adds(device: str, n: int = 100) -> Step:
 
 
 def _train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                loss_fn: Callable, lr: float = 0.01) -> Step:
+                loss_fn: Callable, lr: float = 0.01, phases: list | None = None) -> Step:
+    """One SGD step. With `phases`, each step appends its (forward, backward, optimizer) seconds;
+    the optimizer phase ends with loss.item(), which waits for the device."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
     def step() -> None:
+        t0 = time.perf_counter()
         loss = loss_fn(model(inputs), targets)
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         loss.item()
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
 
     return step
 
 
-def mlp(device: str) -> Step:
+def mlp(device: str, phases: list | None = None) -> Step:
     """MLP 784-256-256-10, batch 64."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 10)).to(device)
     x = torch.randn(64, 784).to(device)
     y = torch.randint(0, 10, (64,)).to(device)
-    return _train_step(model, x, y, nn.functional.cross_entropy)
+    return _train_step(model, x, y, nn.functional.cross_entropy, phases=phases)
 
 
 class SmallCNN(nn.Module):
@@ -61,13 +69,13 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x).flatten(1))
 
 
-def cnn(device: str) -> Step:
+def cnn(device: str, phases: list | None = None) -> Step:
     """Two conv+BatchNorm+pool blocks and a linear head, 3x32x32 inputs, batch 32."""
     torch.manual_seed(0)
     model = SmallCNN().to(device)
     x = torch.randn(32, 3, 32, 32).to(device)
     y = torch.randint(0, 10, (32,)).to(device)
-    return _train_step(model, x, y, nn.functional.cross_entropy)
+    return _train_step(model, x, y, nn.functional.cross_entropy, phases=phases)
 
 
 class SmallTransformer(nn.Module):
@@ -83,14 +91,15 @@ class SmallTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
-def transformer(device: str) -> Step:
+def transformer(device: str, phases: list | None = None) -> Step:
     """2-layer TransformerEncoder (d_model 64, 4 heads), batch 16 x 32 tokens."""
     torch.manual_seed(0)
     model = SmallTransformer().to(device)
     tokens = torch.randint(0, 100, (16, 32)).to(device)
     targets = torch.randint(0, 100, (16, 32)).to(device)
     return _train_step(model, tokens, targets,
-                       lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()))
+                       lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()),
+                       phases=phases)
 
 
 WORKLOADS = {
