@@ -179,6 +179,32 @@ def test_a_script_ending_right_after_backward_exits_cleanly():
         assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_exit_is_not_held_up_by_a_backward_that_never_ends():
+    # A daemon thread's backward blocks forever in a hook on the device thread: the flush at exit
+    # waits for the worker a few seconds, then lets the process end instead of hanging.
+    script = textwrap.dedent("""
+        import threading, torch
+        entered, never = threading.Event(), threading.Event()
+
+        def stuck(grad):
+            entered.set()
+            never.wait()
+            return grad
+
+        def run():
+            y = torch.ones(4, device="openreg:0", requires_grad=True) * 2
+            y.register_hook(stuck)
+            y.sum().backward()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert entered.wait(60)
+        print("leaving", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert "leaving" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 # --- torch.autograd.Function on device tensors --------------------------------------------------
 
 

@@ -17,7 +17,8 @@
 // tiny backward through each openreg worker thread, built in C++ so that it holds no Python
 // object. A device's queue is served by that one thread in order, so when the probe's backward
 // returns, the thread has finished every task before it, including the release of the user's
-// last GraphTask, while Python could still take the GIL.
+// last GraphTask, while Python could still take the GIL. A worker stuck in a backward that never
+// ends (a daemon thread's) delays the exit by a few seconds at most, never hangs it.
 // [docs:end EXIT_FLUSH]
 #include "adapters/autograd.h"
 
@@ -32,8 +33,13 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 
 namespace openreg {
 namespace {
@@ -47,17 +53,11 @@ bool is_autograd_worker_thread() {
   return std::strncmp(name, "pt_autograd_", 12) == 0;
 }
 
-}  // namespace
+constexpr auto kExitWait = std::chrono::seconds(5);
 
-void note_current_device_set(int device) {
-  thread_local const bool worker = is_autograd_worker_thread();
-  if (worker && device >= 0 && device < 64)
-    g_worker_devices.fetch_or(uint64_t{1} << device, std::memory_order_relaxed);
-}
-
-void release_autograd_graphs() noexcept {
-  const uint64_t devices = g_worker_devices.load();
-  if (devices == 0 || in_bad_fork()) return;
+// One tiny backward per openreg device whose worker thread exists, built in C++ (no Python
+// object in it).
+void probe_worker_threads(uint64_t devices) noexcept {
   // The probe must build a graph whatever the caller's modes; anomaly mode would attach a
   // Python traceback to its node, so it is off for the probe.
   c10::AutoGradMode grad(true);
@@ -77,6 +77,39 @@ void release_autograd_graphs() noexcept {
     }
   }
   torch::autograd::AnomalyMode::set_enabled(anomaly, check_nan);
+}
+
+}  // namespace
+
+void note_current_device_set(int device) {
+  thread_local const bool worker = is_autograd_worker_thread();
+  if (worker && device >= 0 && device < 64)
+    g_worker_devices.fetch_or(uint64_t{1} << device, std::memory_order_relaxed);
+}
+
+void release_autograd_graphs() noexcept {
+  const uint64_t devices = g_worker_devices.load();
+  if (devices == 0 || in_bad_fork()) return;
+  // The probe runs on a thread of its own, so that a worker stuck in a backward that never ends
+  // (started by a daemon thread, say) delays the exit by kExitWait at most instead of hanging it.
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  try {
+    std::thread([devices, done] {
+      probe_worker_threads(devices);
+      std::lock_guard lock(done->mutex);
+      done->done = true;
+      done->cv.notify_all();
+    }).detach();
+  } catch (...) {
+    return;  // no thread could be started: exiting without the flush
+  }
+  std::unique_lock lock(done->mutex);
+  done->cv.wait_for(lock, kExitWait, [&] { return done->done; });
 }
 
 }  // namespace openreg
