@@ -80,8 +80,12 @@ def main() -> int:
     if args.backward_on_caller:
         print("backward on the calling thread (autograd multithreading off): not openreg's "
               "configuration\n")
-    print("| workload | cpu | openreg | ratio | target |" + (" cpu fwd / bwd / opt | openreg fwd / bwd / opt |" if args.phases else ""))
-    print("|---|---|---|---|---|" + ("---|---|" if args.phases else ""))
+    header, rule = "| workload | cpu | openreg | ratio | target |", "|---|---|---|---|---|"
+    if args.phases:
+        header += " cpu fwd / bwd / opt | openreg fwd / bwd / opt |"
+        rule += "---|---|"
+    print(header)
+    print(rule)
     failed = False
     for name in args.workloads:
         target = WORKLOADS[name][1]
