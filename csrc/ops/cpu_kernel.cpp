@@ -13,19 +13,21 @@
 namespace openreg {
 namespace {
 
-// Context of a CPU alias: it holds the device storage, so the memory outlives the alias even if
-// a CPU kernel keeps the alias somewhere.
-struct AliasOwner {
-  c10::Storage device_storage;
-};
+// A DataPtr over memory owned by another storage: its context is a reference to that
+// StorageImpl, so the memory outlives the DataPtr's holder (a CPU alias that a kernel keeps, or
+// a device storage sharing a CPU result's memory). One reference count, no allocation.
+void release_owner(void* ctx) {
+  c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx));
+}
 
-void release_alias(void* ctx) { delete static_cast<AliasOwner*>(ctx); }
+c10::DataPtr data_ptr_owned_by(c10::StorageImpl* owner, c10::Device device) {
+  c10::raw::intrusive_ptr::incref(owner);
+  return c10::DataPtr(const_cast<void*>(owner->data()), owner, &release_owner, device);
+}
 
 c10::intrusive_ptr<c10::StorageImpl> make_cpu_alias_storage(const c10::Storage& device_storage) {
   auto* impl = device_storage.unsafeGetStorageImpl();
-  void* data = const_cast<void*>(impl->data());
-  c10::DataPtr ptr(data, new AliasOwner{device_storage}, &release_alias,
-                   c10::Device(c10::DeviceType::CPU));
+  c10::DataPtr ptr = data_ptr_owned_by(impl, c10::Device(c10::DeviceType::CPU));
   // Resizable through the CPU allocator: a kernel that grows an out= argument gets device
   // memory (allocations are redirected while a HostKernel is alive), adopted by sync_written.
   return c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), impl->nbytes(),
@@ -42,11 +44,6 @@ at::Tensor make_tensor_like(c10::Storage storage, c10::DispatchKey key, const at
   if (like.is_neg()) t._set_neg(true);
   return t;
 }
-
-struct KeepCpuStorage {
-  c10::Storage storage;
-};
-void release_kept(void* ctx) { delete static_cast<KeepCpuStorage*>(ctx); }
 
 }  // namespace
 
@@ -101,9 +98,8 @@ void HostKernel::sync_written(const at::Tensor& t) {
     dev_storage->set_data_ptr_noswap(std::move(fresh));
     dev_storage->set_nbytes(nbytes);
     // Point the alias at the device memory again, for results that view it.
-    c10::DataPtr back(const_cast<void*>(dev_storage->data()), new AliasOwner{t.storage()},
-                      &release_alias, c10::Device(c10::DeviceType::CPU));
-    cpu_storage->set_data_ptr_noswap(std::move(back));
+    cpu_storage->set_data_ptr_noswap(
+        data_ptr_owned_by(dev_storage, c10::Device(c10::DeviceType::CPU)));
   }
   if (cpu.sizes() != t.sizes() || cpu.strides() != t.strides() ||
       cpu.storage_offset() != t.storage_offset()) {
@@ -130,8 +126,7 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
     ptr.unsafe_set_device(dev);
   } else if (is_device_memory(original)) {
     // Device memory still referenced elsewhere: share it, keeping the CPU storage alive.
-    ptr = c10::DataPtr(const_cast<void*>(impl->data()), new KeepCpuStorage{storage}, &release_kept,
-                       dev);
+    ptr = data_ptr_owned_by(impl, dev);
   } else {
     // Memory the kernel did not get from the allocator (static or external): copy it.
     ptr = allocate_on_device(device_, nbytes);
