@@ -14,6 +14,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
 #include <cstring>
@@ -21,7 +22,6 @@
 #include <mutex>
 #include <set>
 #include <sstream>
-#include <unordered_map>
 #include <vector>
 
 namespace openreg {
@@ -356,7 +356,7 @@ class DeviceCache {
   size_t limit_;
   std::mutex mutex_;
   std::set<Block*, BlockOrder> small_free_, large_free_;
-  std::unordered_map<void*, Block*> live_;
+  ska::flat_hash_map<void*, Block*> live_;  // open addressing: no node allocated per block
   std::deque<std::pair<EventPtr, Block*>> outstanding_;
   DeviceStats stats_;
 };
