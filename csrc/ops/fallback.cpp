@@ -33,6 +33,7 @@ enum class Kind : uint8_t { Other, Tensor, TensorList, OptionalTensorList, Gener
 struct Summary {
   std::vector<Kind> kinds;
   std::vector<bool> writes;
+  bool any_writes = false;
   bool has_generator = false;
   // Index operators accept CPU index tensors with device tensors, as on CUDA.
   bool cpu_tensors_allowed = false;
@@ -71,6 +72,7 @@ const Summary& summary(const c10::OperatorHandle& op) {
   for (const auto& arg : schema.arguments()) {
     s.kinds.push_back(kind_of(arg.type()));
     s.writes.push_back(arg.alias_info() != nullptr && arg.alias_info()->isWrite());
+    s.any_writes |= s.writes.back();
     s.has_generator |= s.kinds.back() == Kind::Generator;
   }
   const auto& name = schema.name();
@@ -181,8 +183,11 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const int device = check.device;
 
   HostKernel kernel(device);
-  // Keep the device arguments: written ones are synchronised after the kernel.
-  c10::SmallVector<c10::IValue, 8> originals((*stack).begin() + first, (*stack).end());
+  // Keep the device arguments written in place: they are synchronised after the kernel.
+  c10::SmallVector<c10::IValue, 2> written;
+  if (s.any_writes)
+    for (size_t i = 0; i < num_args; ++i)
+      if (s.writes[i]) written.push_back((*stack)[first + i]);
   auto to_cpu = [&](const at::Tensor& t) {
     return t.defined() && t.device().type() == kOpenReg ? kernel.alias(t) : t;
   };
@@ -251,9 +256,7 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 
   // Arguments written in place (including out= arguments a kernel resized) keep their device
   // tensor; carry over any change of size or memory.
-  for (size_t i = 0; i < num_args; ++i) {
-    if (!s.writes[i]) continue;
-    const c10::IValue& v = originals[i];
+  for (const c10::IValue& v : written) {
     if (v.isTensor()) kernel.sync_written(v.toTensor());
     else if (v.isTensorList())
       for (const at::Tensor& t : v.toTensorList()) kernel.sync_written(t);
