@@ -45,13 +45,9 @@ namespace openreg {
 namespace {
 
 // Bit d: the engine has a worker thread for openreg:d (it set that device when it started).
+// Devices beyond the mask's width are not tracked (and not flushed at exit).
+constexpr int kTrackedDevices = 64;
 std::atomic<uint64_t> g_worker_devices{0};
-
-bool is_autograd_worker_thread() {
-  char name[16] = {0};
-  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return false;
-  return std::strncmp(name, "pt_autograd_", 12) == 0;
-}
 
 constexpr auto kExitWait = std::chrono::seconds(5);
 
@@ -65,7 +61,7 @@ void probe_worker_threads(uint64_t devices) noexcept {
   const bool anomaly = torch::autograd::AnomalyMode::is_enabled();
   const bool check_nan = torch::autograd::AnomalyMode::should_check_nan();
   torch::autograd::AnomalyMode::set_enabled(false);
-  for (int d = 0; d < device_count() && d < 64; ++d) {
+  for (int d = 0; d < device_count() && d < kTrackedDevices; ++d) {
     if ((devices & (uint64_t{1} << d)) == 0) continue;
     try {
       auto options = at::TensorOptions().device(c10::DeviceType::PrivateUse1,
@@ -81,9 +77,15 @@ void probe_worker_threads(uint64_t devices) noexcept {
 
 }  // namespace
 
+bool is_autograd_worker_thread() {
+  char name[16] = {0};
+  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return false;
+  return std::strncmp(name, "pt_autograd_", 12) == 0;
+}
+
 void note_current_device_set(int device) {
   thread_local const bool worker = is_autograd_worker_thread();
-  if (worker && device >= 0 && device < 64)
+  if (worker && device >= 0 && device < kTrackedDevices)
     g_worker_devices.fetch_or(uint64_t{1} << device, std::memory_order_relaxed);
 }
 

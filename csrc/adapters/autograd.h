@@ -4,6 +4,10 @@
 
 namespace openreg {
 
+// True on the autograd engine's worker threads for devices ("pt_autograd_<n>"), where backward
+// runs. Used to note those threads here and to size their OpenMP team (ops/cpu_kernel.cpp).
+bool is_autograd_worker_thread();
+
 // Called by the DeviceGuard when a thread sets its current device: notes which openreg devices
 // have an autograd engine worker thread ("pt_autograd_<n>"). Cheap after a thread's first call.
 void note_current_device_set(int device);

@@ -1,6 +1,8 @@
 // Native because: this is the per-operator hot path of the generic fallback.
 #include "ops/cpu_kernel.h"
 
+#include "adapters/autograd.h"
+
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
@@ -8,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
-#include <pthread.h>
 
 namespace openreg {
 namespace {
@@ -163,9 +164,7 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
 // backward, but the second team's spinning then slowed the rest of the process 2x.)
 // OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting.
 void configure_kernel_thread() {
-  char name[16] = {0};
-  if (pthread_getname_np(pthread_self(), name, sizeof(name)) != 0) return;
-  if (std::strncmp(name, "pt_autograd_", 12) != 0) return;
+  if (!is_autograd_worker_thread()) return;
   int threads = 1;
   if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
   if (threads <= 0) return;
