@@ -50,3 +50,6 @@ atexit.register(_C._release_autograd_graphs)
 # Operator routes written in Python (the C++ ones live in csrc/routes/): kernels for aten
 # operators, and custom operators in the `openreg` namespace. Registered once, at import.
 from torch_openreg import custom_ops, python_kernels  # noqa: E402,F401
+
+# `model.to("openreg")` keeps every Parameter object and every tie (docs/module_conversion.md).
+from torch_openreg import module_conversion  # noqa: E402,F401
