@@ -10,7 +10,8 @@ NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
-	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml
+	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml \
+		"transformers>=5.24,<6" "accelerate>=1.15,<2"
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(NATIVE)
 	$(PY) -m pip install --no-build-isolation -e .
