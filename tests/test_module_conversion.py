@@ -125,17 +125,31 @@ def test_optimizer_created_before_to_trains_device_parameters_like_cpu():
 @pytest.mark.parametrize("make,shape", [
     (lambda: nn.LazyLinear(3), (2, 5)),
     (lambda: nn.LazyConv2d(4, 3), (1, 2, 6, 6)),
-], ids=["LazyLinear", "LazyConv2d"])
+    (lambda: nn.Sequential(nn.LazyConv2d(4, 3), nn.LazyBatchNorm2d()), (2, 2, 6, 6)),
+], ids=["LazyLinear", "LazyConv2d", "LazyBatchNorm2d"])
 def test_lazy_modules(convert, make, shape):
     m = make()
-    w = m.weight
+    first = m[0] if isinstance(m, nn.Sequential) else m
+    w = first.weight
     convert(m)
-    assert type(m.weight) is nn.UninitializedParameter and m.weight is w
+    assert type(first.weight) is nn.UninitializedParameter and first.weight is w
+    if isinstance(m, nn.Sequential):
+        assert type(m[1].running_mean) is nn.UninitializedBuffer
     x = torch.randn(shape)
-    y = m(x.to("openreg"))  # the first forward materializes the parameters on the device
+    m(x.to("openreg"))  # the first forward materializes the parameters on the device
+    for t in list(m.parameters()) + list(m.buffers()):
+        assert type(t) in (nn.Parameter, torch.Tensor) and t.device.type == "openreg"
+    ref = copy.deepcopy(m).cpu().eval()
+    m.eval()
+    torch.testing.assert_close(m(x.to("openreg")).cpu(), ref(x))
+
+
+def test_lazy_module_loads_state_dict_on_device():
+    src = nn.Linear(5, 3)
+    m = nn.LazyLinear(3).openreg()
+    m.load_state_dict(src.state_dict())
     assert type(m.weight) is nn.Parameter and m.weight.device.type == "openreg"
-    ref = copy.deepcopy(m).cpu()
-    torch.testing.assert_close(y.cpu(), ref(x))
+    torch.testing.assert_close(m.weight.detach().cpu(), src.weight.detach())
 
 
 def test_load_state_dict_keeps_identity_and_ties_like_cpu():
