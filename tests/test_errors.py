@@ -1,6 +1,7 @@
 """Bad input raises the exception PyTorch raises for CUDA in the same case, with a message naming
 the problem: device index out of range, tensors on two devices in one operator, `.numpy()` on a
 device tensor, a dtype the CPU kernel does not support. Nothing crashes the process."""
+import os
 import subprocess
 import sys
 
@@ -111,7 +112,25 @@ def test_numpy_on_a_device_tensor_raises_type_error(device):
     assert x.cpu().numpy().tolist() == [1.0, 1.0]
 
 
-# ---- dtypes the CPU kernel lacks: the CPU's own error, saying where it came from ----
+# ---- errors of CPU kernels: the CPU's exception type and message, unchanged ----
+
+def raised(call, device):
+    """(type, message) of what ``call(device)`` raises, or None if it returns."""
+    try:
+        call(device)
+    except Exception as e:  # noqa: BLE001 - any exception is compared
+        return type(e), str(e)
+    return None
+
+
+def assert_same_error(call, device):
+    """``call`` fails on the CPU and on ``device`` with the same exception type and message."""
+    on_cpu = raised(call, "cpu")
+    assert on_cpu is not None, "the CPU accepted the input: not a bad input"
+    on_device = raised(call, device)
+    assert on_device is not None, f"openreg accepted what the CPU refuses: {on_cpu}"
+    assert on_device == on_cpu
+
 
 @pytest.mark.parametrize("call", [
     lambda d: torch.ones(3, dtype=torch.complex64, device=d).cummax(0),
@@ -119,25 +138,94 @@ def test_numpy_on_a_device_tensor_raises_type_error(device):
     lambda d: torch.ones(3, device=d) & torch.ones(3, device=d),
     lambda d: -torch.ones(3, dtype=torch.bool, device=d),
     lambda d: torch.ones(2, 2, dtype=torch.int64, device=d).inverse(),
-], ids=["cummax-complex", "clamp-complex", "bitwise-and-float", "neg-bool", "inverse-int"])
-def test_unsupported_dtype_raises_what_the_cpu_raises(call, device):
-    with pytest.raises(Exception) as on_cpu:
-        call("cpu")
-    with pytest.raises(type(on_cpu.value)) as on_device:
-        call(device)
-    message = str(on_device.value)
-    assert str(on_cpu.value).splitlines()[0] in message
-    assert f"on {device} with its CPU kernel" in message
+    lambda d: torch.ones(2, 3, device=d) @ torch.ones(4, 5, device=d),
+    lambda d: torch.ones(3, device=d)[torch.tensor([5], device=d)],
+    lambda d: torch.ones(3, device=d).narrow_copy(-5, 0, 1),
+    lambda d: torch.ones(3, device=d).narrow_copy(0, 2, 5),
+    lambda d: torch.ones(2, 3, device=d).sum(dim=4),
+    lambda d: torch.cat([torch.ones(2, 3, device=d), torch.ones(2, 4, device=d)]),
+    lambda d: torch.ones(3, device=d).gather(0, torch.tensor([[0]], device=d)),
+    lambda d: torch.ones(3, device=d).scatter_(0, torch.tensor([7], device=d), 1.0),
+    lambda d: torch.ones(2, 2, device=d).reshape(3),
+    lambda d: torch.ones(3, device=d).softmax(dim=2),
+    lambda d: torch.nn.functional.cross_entropy(torch.ones(2, 3, device=d),
+                                                torch.tensor([0, 5], device=d)),
+    lambda d: torch.ones(3, device=d).add_(torch.ones(2, 3, device=d)),
+    lambda d: torch.arange(3, device=d) // 0,
+    lambda d: torch.ones(3, dtype=torch.complex32, device=d) ** 2,
+    lambda d: torch.ones(3, device=d).to(torch.int64).lerp(torch.ones(3, device=d), 0.5),
+    lambda d: torch.ones(3, device=d).topk(5),
+    lambda d: torch.ones(2, 3, device=d).view(4),
+    lambda d: torch.multinomial(torch.zeros(3, device=d), 1),
+], ids=["cummax-complex", "clamp-complex", "bitwise-and-float", "neg-bool", "inverse-int",
+        "mm-shapes", "index-out-of-bounds", "narrow_copy-dim", "narrow_copy-length", "sum-dim",
+        "cat-sizes", "gather-dims", "scatter-index", "reshape", "softmax-dim", "cross-entropy-target",
+        "add_-broadcast", "int-div-zero", "pow-complexhalf", "lerp-dtype", "topk-k", "view",
+        "multinomial-zeros"])
+def test_cpu_kernel_errors_are_the_cpus_unchanged(call, device):
+    assert_same_error(call, device)
 
 
-def test_cpu_kernel_errors_carry_context_and_keep_their_type(device):
-    a, b = torch.ones(2, 3, device=device), torch.ones(4, 5, device=device)
-    with pytest.raises(RuntimeError) as info:
-        a @ b
-    assert "shapes cannot be multiplied" in str(info.value)
-    assert f"(while running aten::mm on {device} with its CPU kernel)" in str(info.value)
-    with pytest.raises(IndexError, match="out of bounds"):
-        torch.ones(3, device=device)[torch.tensor([5], device=device)]
+# ---- where openreg behaves like the CPU rather than like CUDA (docs/fallback.md) ----
+
+def test_integer_division_by_zero_raises_like_the_cpu(device):
+    # CUDA returns -1 (all bits set) for integer division by zero; the CPU kernels openreg runs
+    # raise, and so does openreg.
+    for op in (torch.div, torch.floor_divide, torch.remainder, torch.fmod):
+        kwargs = {"rounding_mode": "trunc"} if op is torch.div else {}
+        with pytest.raises(RuntimeError, match="^ZeroDivisionError$"):
+            op(torch.arange(3, device=device), torch.zeros(3, dtype=torch.int64, device=device),
+               **kwargs)
+    # Float division by zero follows IEEE on every device.
+    assert torch.isinf((torch.ones(1, device=device) / 0).cpu()).all()
+
+
+def test_pow_on_complexhalf_is_refused_like_the_cpu(device):
+    # The supported dtypes are those of the CPU kernels: CUDA has a ComplexHalf pow, the CPU has
+    # not, and openreg refuses it with the CPU's message.
+    x = torch.ones(3, dtype=torch.complex32, device=device)
+    with pytest.raises(NotImplementedError, match="^\"pow\" not implemented for 'ComplexHalf'$"):
+        x ** 2
+    with pytest.raises(NotImplementedError, match="^\"pow\" not implemented for 'ComplexHalf'$"):
+        torch.pow(x, x)
+
+
+def test_foreach_error_is_the_per_tensor_operators():
+    # PyTorch's foreach tests check that a foreach operator fails with exactly the message of the
+    # per-tensor operator: true on the CPU, and so on openreg.
+    def tensors(d):
+        return ([torch.ones(2, 3, device=d)], [torch.ones(2, 3, device=d)],
+                [torch.ones(4, device=d)])
+    for d in ["cpu", "openreg"]:
+        with pytest.raises(RuntimeError) as per_tensor:
+            torch.addcmul(*(ts[0] for ts in tensors(d)))
+        with pytest.raises(RuntimeError) as foreach:
+            torch._foreach_addcmul(*tensors(d))
+        with pytest.raises(RuntimeError) as foreach_:
+            torch._foreach_addcmul_(*tensors(d))
+        assert str(foreach.value) == str(per_tensor.value)
+        assert str(foreach_.value) == str(per_tensor.value)
+        assert "must match the size of tensor" in str(per_tensor.value)
+    assert_same_error(lambda d: torch._foreach_addcmul(*tensors(d)), "openreg")
+
+
+def test_error_context_on_request():
+    code = """
+import torch
+try:
+    torch.ones(2, 3, device="openreg:1") @ torch.ones(4, 5, device="openreg:1")
+except RuntimeError as e:
+    print(e)
+"""
+    def run(env):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, **env})
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+    with_context = run({"OPENREG_ERROR_CONTEXT": "1"})
+    assert with_context.endswith("(while running aten::mm on openreg:1 with its CPU kernel)")
+    assert with_context.startswith("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+    assert run({"OPENREG_ERROR_CONTEXT": "0"}) == "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"
 
 
 def test_sparse_conversion_fails_clearly(device):

@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string_view>
 #include <unordered_map>
@@ -139,10 +140,22 @@ struct DeviceCheck {
   }
 };
 
+// [docs:start ERROR_CONTEXT_SWITCH]
+// Errors of CPU kernels reach the user unchanged: the CPU's exception type and message, which
+// device-generic test suites compare across devices. OPENREG_ERROR_CONTEXT=1 (read once, when
+// torch_openreg._C loads) appends where the error came from, for people debugging the backend:
+// "... (while running aten::mm on openreg:0 with its CPU kernel)".
+const bool error_context_enabled = [] {
+  const char* env = std::getenv("OPENREG_ERROR_CONTEXT");
+  return env != nullptr && env[0] != '\0' && std::string_view(env) != "0";
+}();
+
 void add_context(c10::Error& e, const c10::OperatorHandle& op, int device) {
+  if (!error_context_enabled) return;
   e.add_context(c10::str("while running ", op.schema().operator_name(), " on openreg:", device,
                          " with its CPU kernel"));
 }
+// [docs:end ERROR_CONTEXT_SWITCH]
 
 // [docs:start STRIDED_RESULTS]
 // The fallback can only give back strided tensors: a kernel returning another layout (sparse
@@ -246,9 +259,8 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
     add_context(e, op, device);
     throw;
   } catch (c10::Error& e) {
-    // The CPU kernel's own error (same type and message as on the CPU), saying where it came
-    // from: "... (while running aten::mm on openreg:0 with its CPU kernel)". `throw;` keeps the
-    // exception's type (IndexError, ValueError, TypeError, ...).
+    // The CPU kernel's own error: `throw;` keeps the exception's type (IndexError, ValueError,
+    // TypeError, ...) and message; the context is added only if OPENREG_ERROR_CONTEXT=1.
     add_context(e, op, device);
     throw;
   }
