@@ -49,17 +49,7 @@ REQUIRED_PASS_RATE = 0.95
 # Entries ("opname[.variant]:dtype") that do not pass: the reason, and a fragment of the error they
 # must fail with (a clear one). Strict: an entry listed here that passes fails
 # test_listed_failures_still_fail, so the list can only shrink.
-_SPARSE = ("openreg supports only strided tensors (no sparse layouts, like most PyTorch backends "
-           "outside CPU/CUDA); the conversion raises NotImplementedError naming the layout",
-           "openreg supports only strided tensors")
-KNOWN_FAILURES: dict[str, tuple[str, str]] = {
-    "to_sparse:float32": _SPARSE,
-    "to_sparse:int64": _SPARSE,
-    "to_sparse:bool": _SPARSE,
-    # The samples themselves are sparse CSR tensors made on the device.
-    "sparse.mm.reduce:float32": _SPARSE,
-    "sparse.sampled_addmm:float32": _SPARSE,
-}
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {}
 
 # Results that are unspecified memory: compared by structure only.
 UNSPECIFIED_VALUES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",

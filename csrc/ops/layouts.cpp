@@ -1,0 +1,439 @@
+// Native because: sparse and nested tensors are C++ TensorImpls (SparseTensorImpl,
+// SparseCsrTensorImpl, NestedTensorImpl) whose members only C++ can alias, and this fallback is
+// the per-operator path of every sparse and nested operator.
+//
+// Sparse (COO), sparse compressed (CSR, CSC, BSR, BSC) and strided nested tensors on openreg.
+//
+// A sparse or nested tensor is a few dense tensors plus metadata: COO has `indices` and `values`;
+// the compressed layouts have compressed indices, plain indices and `values`; a nested tensor has
+// one buffer (a storage) plus CPU metadata (nested sizes, strides and offsets). On openreg those
+// dense parts live in device memory, as on CUDA. Operators on these layouts dispatch to keys the
+// dense fallback never sees (SparsePrivateUse1, SparseCsrPrivateUse1, NestedTensorPrivateUse1).
+// They all land in one boxed fallback here, which does what the dense fallback does, one level
+// up: every openreg tensor becomes a CPU tensor of the same layout whose dense parts are CPU
+// aliases of the device memory (no copy), the operator runs its CPU kernel, and results become
+// openreg tensors of the same layout whose dense parts are device memory (ops/cpu_kernel.h).
+#include "adapters/generator.h"
+#include "ops/cpu_kernel.h"
+#include "runtime/device.h"
+
+#include <ATen/NestedTensorImpl.h>
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <string_view>
+
+namespace openreg {
+namespace {
+
+constexpr auto kOpenReg = c10::DeviceType::PrivateUse1;
+
+// CSR, CSC, BSR, BSC (Tensor::is_sparse_csr() is true for CSR only).
+bool is_compressed(const at::Tensor& t) {
+  return t.key_set().has_all(c10::DispatchKeySet(c10::DispatchKey::SparseCsr));
+}
+
+bool is_layout_tensor(const at::Tensor& t) {
+  return t.is_sparse() || is_compressed(t) || t.is_nested();
+}
+
+const char* layout_name(const at::Tensor& t) {
+  if (t.is_nested()) return "nested (strided)";
+  switch (t.layout()) {
+    case c10::kSparse: return "sparse_coo";
+    case c10::kSparseCsr: return "sparse_csr";
+    case c10::kSparseCsc: return "sparse_csc";
+    case c10::kSparseBsr: return "sparse_bsr";
+    case c10::kSparseBsc: return "sparse_bsc";
+    case c10::kStrided: return "strided";
+    default: return "unknown";
+  }
+}
+
+// A strided tensor over the whole of `storage`, one element per item of `dtype` (the buffer of a
+// nested tensor).
+at::Tensor flat_over(c10::Storage storage, c10::DispatchKey key, caffe2::TypeMeta dtype) {
+  const int64_t n = static_cast<int64_t>(storage.nbytes() / dtype.itemsize());
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                    dtype);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({n});
+  return t;
+}
+
+// One operator call: the CPU twin of each openreg tensor argument (same layout, dense parts
+// aliasing device memory), and the openreg tensor of each CPU result.
+class LayoutSession {
+ public:
+  explicit LayoutSession(int device) : kernel_(device), device_(device) {}
+
+  at::Tensor to_cpu(const at::Tensor& t) {
+    if (!t.defined() || t.device().type() != kOpenReg) return t;
+    if (!is_layout_tensor(t)) return kernel_.alias(t);
+    for (auto& p : twins_)
+      if (p.device.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return p.cpu;
+    at::Tensor cpu;
+    // [docs:start COO_TWIN]
+    if (t.is_sparse()) {
+      // COO: indices and values, the CPU kernel's own SparseTensorImpl around their aliases.
+      auto* impl = static_cast<at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
+      cpu = at::detail::make_tensor<at::SparseTensorImpl>(
+          c10::DispatchKeySet(c10::DispatchKey::SparseCPU), t.dtype());
+      auto* cimpl = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
+      cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
+      cimpl->set_indices_and_values_unsafe(kernel_.alias(impl->indices()),
+                                           kernel_.alias(impl->values()));
+      cimpl->set_coalesced(impl->coalesced());
+      // [docs:end COO_TWIN]
+    } else if (is_compressed(t)) {
+      // CSR, CSC, BSR, BSC: compressed indices, plain indices and values.
+      auto* impl = static_cast<at::SparseCsrTensorImpl*>(t.unsafeGetTensorImpl());
+      cpu = at::detail::make_tensor<at::SparseCsrTensorImpl>(
+          c10::DispatchKeySet(c10::DispatchKey::SparseCsrCPU), c10::Device(c10::kCPU),
+          t.layout(), t.dtype());
+      static_cast<at::SparseCsrTensorImpl*>(cpu.unsafeGetTensorImpl())
+          ->set_member_tensors(kernel_.alias(impl->compressed_indices()),
+                               kernel_.alias(impl->plain_indices()),
+                               kernel_.alias(impl->values()), t.sizes());
+    } else {
+      // Strided nested: the buffer (device memory) plus CPU metadata shared as is.
+      auto* impl = at::native::get_nested_tensor_impl(t);
+      at::Tensor buffer = kernel_.alias(flat_over(t.storage(), c10::DispatchKey::PrivateUse1,
+                                                  t.dtype()));
+      cpu = at::detail::make_tensor<at::native::NestedTensorImpl>(buffer, impl->get_nested_sizes(),
+                                                          impl->get_nested_strides(),
+                                                          impl->get_storage_offsets());
+    }
+    twins_.push_back({cpu, t});
+    return cpu;
+  }
+
+  // After the kernel: an openreg sparse argument written in place gets the members the CPU
+  // kernel gave its twin (sparse kernels replace indices and values rather than write them).
+  void sync_written(const at::Tensor& t) {
+    if (!t.defined() || t.device().type() != kOpenReg) return;
+    if (!is_layout_tensor(t)) return kernel_.sync_written(t);
+    for (auto& p : twins_)
+      if (p.device.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) adopt_members(p.cpu, t);
+  }
+
+  at::Tensor from_cpu(at::Tensor cpu) {
+    if (!cpu.defined() || !cpu.is_cpu()) return cpu;
+    for (auto& p : twins_)
+      if (p.cpu.unsafeGetTensorImpl() == cpu.unsafeGetTensorImpl()) {
+        adopt_members(p.cpu, p.device);
+        return p.device;  // an in-place kernel returns its argument
+      }
+    if (cpu.is_nested()) {
+      auto* impl = at::native::get_nested_tensor_impl(cpu);
+      at::Tensor sizes = impl->get_nested_sizes();
+      at::Tensor strides = impl->get_nested_strides();
+      at::Tensor offsets = impl->get_storage_offsets();
+      c10::Storage storage = cpu.storage();
+      auto dtype = cpu.dtype();
+      cpu.reset();  // the buffer's only owner now: its device memory is adopted, not shared
+      at::Tensor buffer = kernel_.result(flat_over(std::move(storage), c10::DispatchKey::CPU,
+                                                   dtype));
+      return at::detail::make_tensor<at::native::NestedTensorImpl>(buffer, sizes, strides, offsets);
+    }
+    if (!is_layout_tensor(cpu)) {
+      TORCH_CHECK_NOT_IMPLEMENTED(cpu.layout() == c10::kStrided,
+                                  "openreg does not support the layout ", cpu.layout());
+      return kernel_.result(cpu);
+    }
+    c10::DeviceGuard guard(c10::Device(kOpenReg, static_cast<c10::DeviceIndex>(device_)));
+    at::Tensor device;
+    if (cpu.is_sparse()) {
+      device = at::detail::make_tensor<at::SparseTensorImpl>(
+          c10::DispatchKeySet(c10::DispatchKey::SparsePrivateUse1), cpu.dtype());
+    } else {
+      device = at::detail::make_tensor<at::SparseCsrTensorImpl>(
+          c10::DispatchKeySet(c10::DispatchKey::SparseCsrPrivateUse1),
+          c10::Device(kOpenReg, static_cast<c10::DeviceIndex>(device_)), cpu.layout(),
+          cpu.dtype());
+    }
+    adopt_members(cpu, device);
+    return device;
+  }
+
+ private:
+  // [docs:start ADOPT_MEMBERS]
+  // `device` (sparse, openreg) takes the shape and members of `cpu` (its twin or a result).
+  void adopt_members(const at::Tensor& cpu, const at::Tensor& device) {
+    if (cpu.is_sparse()) {
+      auto* c = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
+      auto* d = static_cast<at::SparseTensorImpl*>(device.unsafeGetTensorImpl());
+      at::Tensor indices = kernel_.result(c->indices());
+      at::Tensor values = kernel_.result(c->values());
+      if (d->indices().unsafeGetTensorImpl() == indices.unsafeGetTensorImpl() &&
+          d->values().unsafeGetTensorImpl() == values.unsafeGetTensorImpl() &&
+          d->sizes() == c->sizes() && d->sparse_dim() == c->sparse_dim() &&
+          d->coalesced() == c->coalesced())
+        return;  // unchanged
+      d->raw_resize_(c->sparse_dim(), c->dense_dim(), cpu.sizes());
+      d->set_indices_and_values_unsafe(indices, values);
+      d->set_coalesced(c->coalesced());
+    } else if (is_compressed(cpu)) {
+      auto* c = static_cast<at::SparseCsrTensorImpl*>(cpu.unsafeGetTensorImpl());
+      auto* d = static_cast<at::SparseCsrTensorImpl*>(device.unsafeGetTensorImpl());
+      d->set_member_tensors(kernel_.result(c->compressed_indices()),
+                            kernel_.result(c->plain_indices()), kernel_.result(c->values()),
+                            cpu.sizes());
+    }
+    // Nested kernels write the buffer in place; their metadata does not change.
+  }
+  // [docs:end ADOPT_MEMBERS]
+
+  struct Twin {
+    at::Tensor cpu;
+    at::Tensor device;
+  };
+  HostKernel kernel_;
+  const int device_;
+  c10::SmallVector<Twin, 2> twins_;
+};
+
+enum class Kind : uint8_t { Other, Tensor, TensorList, OptionalTensorList, Generator, Device };
+
+Kind kind_of(const c10::TypePtr& type) {
+  const c10::Type* t = type.get();
+  if (t->kind() == c10::TypeKind::OptionalType)
+    t = t->castRaw<c10::OptionalType>()->getElementType().get();
+  switch (t->kind()) {
+    case c10::TypeKind::TensorType: return Kind::Tensor;
+    case c10::TypeKind::GeneratorType: return Kind::Generator;
+    case c10::TypeKind::DeviceObjType: return Kind::Device;
+    case c10::TypeKind::ListType: {
+      const auto& elem = t->castRaw<c10::ListType>()->getElementType();
+      if (elem->kind() == c10::TypeKind::TensorType) return Kind::TensorList;
+      if (elem->kind() == c10::TypeKind::OptionalType &&
+          elem->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType)
+        return Kind::OptionalTensorList;
+      return Kind::Other;
+    }
+    default: return Kind::Other;
+  }
+}
+
+template <typename F>
+void for_each_tensor(const c10::IValue& v, Kind kind, F&& f) {
+  if (kind == Kind::Tensor && v.isTensor()) f(v.toTensor());
+  else if (kind == Kind::TensorList && v.isTensorList())
+    for (const at::Tensor& t : v.toTensorList()) f(t);
+  else if (kind == Kind::OptionalTensorList && v.isList())
+    for (const c10::IValue& e : v.toListRef())
+      if (e.isTensor()) f(e.toTensor());
+}
+
+// Operators that read CPU tensors beside openreg ones, as on CUDA: nested metadata (sizes,
+// strides, offsets) always lives on the CPU, and the copies copy between devices.
+bool takes_cpu_tensors(std::string_view name) {
+  return name.rfind("aten::_nested", 0) == 0 || name == "aten::copy_" ||
+         name == "aten::copy_sparse_to_sparse_";
+}
+
+// Operators returning a nested tensor's metadata, which lives on the CPU (as on CUDA).
+bool returns_cpu_metadata(std::string_view name) {
+  return name == "aten::_nested_tensor_size" || name == "aten::_nested_tensor_strides" ||
+         name == "aten::_nested_tensor_storage_offsets";
+}
+
+void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const size_t first = stack->size() - num_args;
+  c10::SmallVector<Kind, 8> kinds;
+  for (const auto& arg : schema.arguments()) kinds.push_back(kind_of(arg.type()));
+
+  // The device, checked as the dense fallback checks it: one openreg device, no CPU tensors
+  // except 0-dim ones (scalars) and where CUDA takes them too.
+  int device = -1;
+  const at::Tensor* layout_arg = nullptr;
+  const bool cpu_ok = takes_cpu_tensors(schema.name());
+  for (size_t i = 0; i < num_args; ++i) {
+    const auto* alias_info = schema.arguments()[i].alias_info();
+    const bool written_arg = alias_info != nullptr && alias_info->isWrite();
+    for_each_tensor((*stack)[first + i], kinds[i], [&](const at::Tensor& t) {
+      if (!t.defined()) return;
+      if (layout_arg == nullptr && is_layout_tensor(t)) layout_arg = &t;
+      if (t.device().type() == kOpenReg) {
+        int index = t.device().index();
+        TORCH_CHECK(device < 0 || index == device,
+                    "Expected all tensors to be on the same device, but found at least two "
+                    "devices, openreg:", device, " and openreg:", index, "! (in ", schema.name(),
+                    ")");
+        device = index;
+      } else {
+        TORCH_CHECK(t.is_cpu() && ((cpu_ok && !written_arg) || (t.dim() == 0 && !is_layout_tensor(t))),
+                    "Expected all tensors to be on the same device, but found at least two "
+                    "devices, openreg and ", t.device(), "! (in ", schema.name(), ")");
+      }
+    });
+    const c10::IValue& v = (*stack)[first + i];
+    if (kinds[i] == Kind::Device && v.isDevice() && v.toDevice().type() == kOpenReg && device < 0)
+      device = v.toDevice().has_index() ? v.toDevice().index() : current_device();
+  }
+  if (device < 0) device = current_device();
+  check_device(device);
+  const char* layout = layout_arg ? layout_name(*layout_arg) : "strided";
+
+  LayoutSession session(device);
+  c10::SmallVector<c10::IValue, 2> written;
+  for (size_t i = 0; i < num_args; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) written.push_back((*stack)[first + i]);
+  }
+  for (size_t i = 0; i < num_args; ++i) {
+    c10::IValue& v = (*stack)[first + i];
+    switch (kinds[i]) {
+      case Kind::Tensor:
+        if (v.isTensor()) v = session.to_cpu(v.toTensor());
+        break;
+      case Kind::TensorList:
+        if (v.isTensorList()) {
+          c10::List<at::Tensor> cpu;
+          for (const at::Tensor& t : v.toTensorList()) cpu.push_back(session.to_cpu(t));
+          v = std::move(cpu);
+        }
+        break;
+      case Kind::OptionalTensorList:
+        if (v.isList()) {
+          c10::List<std::optional<at::Tensor>> cpu;
+          for (const c10::IValue& e : v.toListRef())
+            cpu.push_back(e.isTensor() ? std::optional<at::Tensor>(session.to_cpu(e.toTensor()))
+                                       : std::nullopt);
+          v = std::move(cpu);
+        }
+        break;
+      case Kind::Generator: {
+        std::optional<at::Generator> gen;
+        if (v.isGenerator()) gen = v.toGenerator();
+        v = cpu_generator_for(gen, device);
+        break;
+      }
+      case Kind::Device:
+        if (v.isDevice() && v.toDevice().type() == kOpenReg) v = c10::Device(c10::kCPU);
+        break;
+      default:
+        break;
+    }
+  }
+
+  // [docs:start LAYOUT_CALL]
+  // The arguments are CPU tensors now: a full dispatch picks the CPU kernel of their layout
+  // (SparseCPU, SparseCsrCPU, NestedTensorCPU, CPU, or a composite one).
+  try {
+    op.callBoxed(stack);
+  } catch (c10::NotImplementedError& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
+                                "' is not implemented for openreg tensors with layout ", layout,
+                                ": it has no CPU kernel for that layout to run on device "
+                                "memory (", e.msg(), ")");
+  } catch (c10::Error& e) {
+    e.add_context(c10::str("while running ", schema.operator_name(), " on openreg:", device,
+                           " (layout ", layout, ") with its CPU kernel"));
+    throw;
+  }
+  // [docs:end LAYOUT_CALL]
+
+  for (const c10::IValue& v : written) {
+    if (v.isTensor()) session.sync_written(v.toTensor());
+    else if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList()) session.sync_written(t);
+  }
+  const size_t num_returns = schema.returns().size();
+  if (returns_cpu_metadata(schema.name())) return;
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      at::Tensor t = v.toTensor();
+      v = c10::IValue();  // the session adopts a result's memory only when it is its sole owner
+      v = session.from_cpu(std::move(t));
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : list) out.push_back(session.from_cpu(t));
+      v = std::move(out);
+    }
+  }
+}
+
+}  // namespace
+
+// [docs:start NESTED_TO_COPY]
+// Copies of a nested tensor to another device or dtype (`.cpu()`, `.to("openreg:1")`): the CPU
+// kernel would allocate the copy inside the kernel session, in device memory, even for a CPU
+// target. The buffer goes through the dense copy instead (stream-ordered D2H/H2D/D2D), and the
+// metadata stays on the CPU, shared.
+at::Tensor nested_to_copy(const at::Tensor& self, std::optional<at::ScalarType> dtype,
+                          std::optional<at::Layout> layout, std::optional<at::Device> device,
+                          std::optional<bool> pin_memory, bool non_blocking,
+                          std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!layout.has_value() || *layout == c10::kStrided,
+                              "openreg: converting a nested tensor to layout ", *layout,
+                              " is not supported");
+  auto* impl = at::native::get_nested_tensor_impl(self);
+  at::Tensor buffer = flat_over(self.storage(), c10::DispatchKey::PrivateUse1, self.dtype());
+  c10::OptionalDeviceGuard guard(self.device());
+  at::Tensor copy = buffer.to(buffer.options()
+                                  .dtype(dtype.value_or(self.scalar_type()))
+                                  .device(device.value_or(self.device()))
+                                  .pinned_memory(pin_memory),
+                              non_blocking, /*copy=*/true);
+  return at::detail::make_tensor<at::native::NestedTensorImpl>(
+      copy, impl->get_nested_sizes(), impl->get_nested_strides(), impl->get_storage_offsets());
+}
+// [docs:end NESTED_TO_COPY]
+
+// [docs:start LAYOUT_REGISTRATION]
+TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+}
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+}
+TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+}
+// Every operator with a CPU kernel for a layout runs it through this fallback on openreg, even
+// where a composite kernel would otherwise take the openreg layout key before the fallback
+// (clone, copy_, ... have CompositeExplicitAutograd kernels written for dense tensors; CPU and
+// CUDA have kernels of their own for each layout). Registered when the library loads: torch's
+// own registrations are complete by then.
+void route_layout_ops(torch::Library& m, c10::DispatchKey cpu_key) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasKernelForDispatchKey(cpu_key)) continue;
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    if (full == "_to_copy") continue;  // nested_to_copy
+    m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+  }
+}
+TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) { route_layout_ops(m, c10::DispatchKey::SparseCPU); }
+TORCH_LIBRARY_IMPL(aten, SparseCsrPrivateUse1, m) {
+  route_layout_ops(m, c10::DispatchKey::SparseCsrCPU);
+}
+TORCH_LIBRARY_IMPL(aten, NestedTensorPrivateUse1, m) {
+  route_layout_ops(m, c10::DispatchKey::NestedTensorCPU);
+  m.impl("_to_copy", nested_to_copy);
+}
+// Dense openreg tensors in, a sparse or nested tensor out: the dispatch key is PrivateUse1, but
+// the result needs this fallback's conversion (the dense fallback hands back strided tensors).
+// _embedding_bag_backward returns the sparse gradient of EmbeddingBag(sparse=True).
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  for (const char* name :
+       {"_to_sparse", "_to_sparse.sparse_dim", "_to_sparse_csr", "_to_sparse_csc",
+        "_to_sparse_bsr", "_to_sparse_bsc", "_nested_tensor_from_mask", "_nested_from_padded",
+        "_nested_view_from_buffer", "_embedding_bag_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
+}
+// [docs:end LAYOUT_REGISTRATION]
+
+}  // namespace openreg

@@ -1,0 +1,323 @@
+"""Sparse tensors on openreg (docs/layouts.md): COO and the compressed layouts (CSR, CSC, BSR,
+BSC) live on the device with their indices and values in device memory, as on CUDA, and every
+operator gives the CPU's result. Unsupported combinations raise NotImplementedError naming the
+layout and the operator."""
+import pytest
+import torch
+import torch.nn as nn
+
+D = "openreg"
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse")
+
+
+def coo_pair(shape=(4, 5), nnz=6, dense_dims=(), coalesced=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randint(0, s, (nnz,), generator=g) for s in shape])
+    val = torch.randn((nnz,) + dense_dims, generator=g)
+    cpu = torch.sparse_coo_tensor(idx, val, shape + dense_dims)
+    if coalesced:
+        cpu = cpu.coalesce()
+    return cpu, cpu.to(D)
+
+
+def same(dev, cpu):
+    """`dev` is an openreg tensor equal to the CPU reference `cpu`, layout included."""
+    assert dev.device.type == D
+    assert dev.layout == cpu.layout, (dev.layout, cpu.layout)
+    assert dev.shape == cpu.shape and dev.dtype == cpu.dtype
+    if cpu.layout == torch.sparse_coo:
+        assert dev._indices().device == dev.device and dev._values().device == dev.device
+        assert dev.is_coalesced() == cpu.is_coalesced()
+        torch.testing.assert_close(dev._indices().cpu(), cpu._indices())
+        torch.testing.assert_close(dev._values().cpu(), cpu._values())
+    elif cpu.layout != torch.strided:
+        torch.testing.assert_close(dev.values().cpu(), cpu.values())
+    torch.testing.assert_close(dev.cpu().to_dense() if dev.layout != torch.strided else dev.cpu(),
+                               cpu.to_dense() if cpu.layout != torch.strided else cpu)
+
+
+# ---- the issue's repros ----
+
+def test_issue_embedding_sparse_backward():
+    torch.manual_seed(0)
+    ref = nn.Embedding(10, 3, sparse=True)
+    dev = nn.Embedding(10, 3, sparse=True).to(D)
+    dev.weight.data.copy_(ref.weight.data)
+    ids = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]])
+    ref(ids).pow(2).sum().backward()
+    dev(ids.to(D)).pow(2).sum().backward()
+    assert dev.weight.grad.layout == torch.sparse_coo
+    same(dev.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_sparse_backward(mode):
+    def grad(device):
+        torch.manual_seed(0)
+        e = nn.EmbeddingBag(10, 3, sparse=True, mode=mode).to(device)
+        ids = torch.tensor([1, 2, 4, 5, 4, 3], device=device)
+        e(ids, torch.tensor([0, 3], device=device)).pow(2).sum().backward()
+        return e.weight.grad
+
+    same(grad(D), grad("cpu"))
+
+
+def test_issue_to_sparse_and_sparse_mm():
+    x = torch.randn(4, 5).relu()
+    s = x.to(D).to_sparse()
+    same(s, x.to_sparse())
+    w = torch.randn(5, 3)
+    same(torch.sparse.mm(s, w.to(D)), torch.sparse.mm(x.to_sparse(), w))
+
+
+def test_issue_sparse_csr():
+    x = torch.randn(4, 5).relu()
+    same(x.to(D).to_sparse_csr(), x.to_sparse_csr())
+
+
+# ---- COO ----
+
+def test_construction():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([3.0, 4.0, 5.0])
+    ref = torch.sparse_coo_tensor(i, v, (2, 3))
+    same(torch.sparse_coo_tensor(i, v, (2, 3), device=D), ref)
+    same(torch.sparse_coo_tensor(i.to(D), v.to(D), (2, 3)), ref)
+    same(torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+        2, 0, [2, 3], i.to(D), v.to(D), dtype=torch.float32, layout=torch.sparse_coo, device=D),
+        ref)
+    same(torch.sparse_coo_tensor(i, v, device=D), torch.sparse_coo_tensor(i, v))
+    same(torch.zeros(3, 4, layout=torch.sparse_coo, device=D),
+         torch.zeros(3, 4, layout=torch.sparse_coo))
+    assert torch.sparse_coo_tensor(i, v, (2, 3), device="openreg:1").device.index == 1
+
+
+def test_construction_is_zero_copy():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]], device=D)
+    v = torch.tensor([3.0, 4.0, 5.0], device=D)
+    s = torch.sparse_coo_tensor(i, v, (2, 3))
+    assert s._indices().data_ptr() == i.data_ptr()
+    assert s._values().data_ptr() == v.data_ptr()
+
+
+def test_memory_is_on_the_device():
+    torch.openreg.synchronize()
+    before = torch.openreg.memory_allocated()
+    x = torch.zeros(256, 256, device=D)
+    x[::7, ::5] = 1.0
+    s = x.to_sparse()
+    del x
+    torch.openreg.synchronize()
+    nnz = s._nnz()
+    used = torch.openreg.memory_allocated() - before
+    assert used >= nnz * (4 + 2 * 8)  # values and indices in device memory
+    del s
+    assert torch.openreg.memory_allocated() == before
+
+
+def test_copies_between_devices():
+    cpu, dev = coo_pair(coalesced=True)
+    back = dev.cpu()
+    assert back.device.type == "cpu" and back.layout == torch.sparse_coo
+    same(dev, cpu)
+    other = dev.to("openreg:1")
+    assert other.device.index == 1 and other._values().device.index == 1
+    same(other, cpu)
+    same(dev.double(), cpu.double())
+
+
+def test_to_dense_coalesce_indices_values():
+    cpu, dev = coo_pair(nnz=12)
+    assert not dev.is_coalesced()
+    same(dev.to_dense(), cpu.to_dense())
+    same(dev.coalesce(), cpu.coalesce())
+    assert dev.coalesce().is_coalesced()
+    same(dev.coalesce().indices(), cpu.coalesce().indices())
+    same(dev.coalesce().values(), cpu.coalesce().values())
+    assert dev._nnz() == cpu._nnz() and dev.sparse_dim() == 2 and dev.dense_dim() == 0
+
+
+def test_hybrid_dense_dims():
+    cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))
+    same(dev.to_dense(), cpu.to_dense())
+    same(dev.coalesce(), cpu.coalesce())
+    same(dev * 2, cpu * 2)
+
+
+def test_arithmetic():
+    a_cpu, a = coo_pair(seed=1)
+    b_cpu, b = coo_pair(seed=2)
+    same(a + b, a_cpu + b_cpu)
+    same(a - b, a_cpu - b_cpu)
+    same(a * b, a_cpu * b_cpu)
+    same(a * 3.0, a_cpu * 3.0)
+    same(torch.sparse.sum(a), torch.sparse.sum(a_cpu))
+    same(torch.sparse.sum(a, dim=1), torch.sparse.sum(a_cpu, dim=1))
+    same(a.sum(), a_cpu.sum())
+    dense = torch.randn(4, 5)
+    same(dense.to(D) + a, dense + a_cpu)
+    same(a.neg(), a_cpu.neg())
+    same(a.t(), a_cpu.t())
+    same(a.transpose(0, 1).coalesce(), a_cpu.transpose(0, 1).coalesce())
+
+
+def test_in_place_ops():
+    a_cpu, a = coo_pair(seed=1)
+    b_cpu, b = coo_pair(seed=2)
+    a.add_(b)
+    a_cpu.add_(b_cpu)
+    same(a, a_cpu)
+    a.mul_(2.0)
+    a_cpu.mul_(2.0)
+    same(a, a_cpu)
+    a.zero_()
+    a_cpu.zero_()
+    same(a, a_cpu)
+    w_cpu = torch.randn(4, 5)
+    w = w_cpu.to(D)
+    w.add_(b, alpha=-0.5)  # dense += sparse, what SGD does with a sparse gradient
+    w_cpu.add_(b_cpu, alpha=-0.5)
+    same(w, w_cpu)
+
+
+def test_matmul_with_dense():
+    a_cpu, a = coo_pair(shape=(4, 5), nnz=8)
+    m = torch.randn(5, 3)
+    bias = torch.randn(4, 3)
+    same(torch.sparse.mm(a, m.to(D)), torch.sparse.mm(a_cpu, m))
+    same(torch.mm(a, m.to(D)), torch.mm(a_cpu, m))
+    same(a @ m.to(D), a_cpu @ m)
+    same(torch.addmm(bias.to(D), a, m.to(D), beta=0.5, alpha=2.0),
+         torch.addmm(bias, a_cpu, m, beta=0.5, alpha=2.0))
+    same(torch.sparse.addmm(bias.to(D), a, m.to(D)), torch.sparse.addmm(bias, a_cpu, m))
+    v = torch.randn(5)
+    same(torch.mv(a, v.to(D)), torch.mv(a_cpu, v))
+    b_cpu, b = coo_pair(shape=(5, 3), nnz=7, seed=3)
+    same(torch.sparse.mm(a, b), torch.sparse.mm(a_cpu, b_cpu))
+
+
+def test_matmul_backward():
+    a_cpu, a = coo_pair(shape=(4, 5), nnz=8, coalesced=True)
+    m_cpu = torch.randn(5, 3, requires_grad=True)
+    m = m_cpu.detach().to(D).requires_grad_()
+    torch.sparse.mm(a_cpu, m_cpu).sum().backward()
+    torch.sparse.mm(a, m).sum().backward()
+    same(m.grad, m_cpu.grad)
+    a_cpu.requires_grad_()
+    a.requires_grad_()
+    torch.sparse.mm(a_cpu, m_cpu.detach()).pow(2).sum().backward()
+    torch.sparse.mm(a, m.detach()).pow(2).sum().backward()
+    same(a.grad, a_cpu.grad)
+
+
+def test_sparse_mask_and_index_select():
+    a_cpu, a = coo_pair(coalesced=True)
+    x = torch.randn(4, 5)
+    same(x.to(D).sparse_mask(a), x.sparse_mask(a_cpu))
+    idx = torch.tensor([0, 2, 3])
+    same(a.index_select(0, idx.to(D)), a_cpu.index_select(0, idx))
+
+
+@pytest.mark.parametrize("opt", ["SGD", "SparseAdam", "Adagrad"])
+def test_optimizers_with_sparse_gradients(opt):
+    def train(device):
+        torch.manual_seed(0)
+        emb = nn.Embedding(20, 4, sparse=True).to(device)
+        kwargs = {"lr": 0.1, "momentum": 0.9} if opt == "SGD" else {"lr": 0.1}
+        o = getattr(torch.optim, opt)(emb.parameters(), **kwargs)
+        for step in range(3):
+            ids = torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9 + step]], device=device)
+            o.zero_grad()
+            emb(ids).pow(2).sum().backward()
+            o.step()
+        return emb.weight.detach()
+
+    torch.testing.assert_close(train(D).cpu(), train("cpu"))
+
+
+# ---- compressed layouts ----
+
+LAYOUTS = [("csr", torch.sparse_csr, None), ("csc", torch.sparse_csc, None),
+           ("bsr", torch.sparse_bsr, (2, 2)), ("bsc", torch.sparse_bsc, (2, 2))]
+
+
+def compressed(layout, block):
+    x = torch.randn(4, 6)
+    x[x < 0.3] = 0
+    x[0:2, 2:4] = 0
+    if block is None:
+        return x, x.to_sparse(layout=layout)
+    return x, x.to_sparse(layout=layout, blocksize=block)
+
+
+@pytest.mark.parametrize("name,layout,block", LAYOUTS, ids=[n for n, _, _ in LAYOUTS])
+def test_compressed_conversions(name, layout, block):
+    x, ref = compressed(layout, block)
+    conv = getattr(x.to(D), f"to_sparse_{name}")
+    dev = conv(block) if block else conv()
+    same(dev, ref)
+    same(ref.to(D), ref)
+    assert ref.to(D).cpu().layout == layout
+    same(dev.to_dense(), x)
+    same(dev.to_sparse(), ref.to_sparse())
+    if name == "csr":
+        same(dev.crow_indices(), ref.crow_indices())
+        same(dev.col_indices(), ref.col_indices())
+        same(dev.to_sparse_csc(), ref.to_sparse_csc())
+
+
+@pytest.mark.parametrize("name,layout,block", LAYOUTS, ids=[n for n, _, _ in LAYOUTS])
+def test_compressed_matmul(name, layout, block):
+    x, ref = compressed(layout, block)
+    dev = ref.to(D)
+    m = torch.randn(6, 3)
+    if name == "bsc":  # the CPU has no kernel for it: the same refusal
+        with pytest.raises(RuntimeError, match="not implemented for Strided \\+ SparseBsc"):
+            ref @ m
+        with pytest.raises(RuntimeError, match="not implemented for Strided \\+ SparseBsc"):
+            dev @ m.to(D)
+        return
+    same(dev @ m.to(D), ref @ m)
+    if name in ("csr", "bsr"):
+        bias = torch.randn(4, 3)
+        same(torch.addmm(bias.to(D), dev, m.to(D)), torch.addmm(bias, ref, m))
+
+
+def test_csr_construction_and_ops():
+    crow, col = torch.tensor([0, 2, 3, 3]), torch.tensor([0, 2, 1])
+    val = torch.tensor([1.0, 2.0, 3.0])
+    ref = torch.sparse_csr_tensor(crow, col, val, (3, 3))
+    same(torch.sparse_csr_tensor(crow, col, val, (3, 3), device=D), ref)
+    same(torch.sparse_csr_tensor(crow.to(D), col.to(D), val.to(D), (3, 3)), ref)
+    dev = ref.to(D)
+    same(dev * 2.0, ref * 2.0)
+    same(dev + dev, ref + ref)
+    same(dev.relu(), ref.relu())
+    same(dev.clone(), ref.clone())
+    same(dev.t(), ref.t())
+    same(dev.sum(), ref.sum())
+    same(torch.sparse_csc_tensor(crow, col, val, (3, 3), device=D),
+         torch.sparse_csc_tensor(crow, col, val, (3, 3)))
+
+
+# ---- errors ----
+
+def test_mixed_devices_rejected():
+    _, a = coo_pair()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.sparse.mm(a, torch.randn(5, 3))
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.sparse.mm(a, torch.randn(5, 3, device="openreg:1"))
+
+
+def test_cpu_errors_are_kept():
+    _, a = coo_pair()
+    with pytest.raises(RuntimeError, match="Expected dim 0 size 5, got 4"):
+        torch.sparse.mm(a, torch.randn(4, 3, device=D))
+
+
+def test_unsupported_op_names_layout_and_op():
+    _, a = coo_pair()
+    # No sparse CPU kernel for cumsum: the same refusal as the CPU's, naming layout and operator.
+    with pytest.raises(NotImplementedError, match=r"aten::cumsum.*sparse_coo"):
+        torch.cumsum(a, 0)
