@@ -50,3 +50,9 @@ atexit.register(_C._release_autograd_graphs)
 # Operator routes written in Python (the C++ ones live in csrc/routes/): kernels for aten
 # operators, and custom operators in the `openreg` namespace. Registered once, at import.
 from torch_openreg import custom_ops, python_kernels  # noqa: E402,F401
+
+# torch.compile: the Dynamo device interface, the `openreg` Dynamo backend and Inductor's code
+# generation for the device, each registered when torch imports the module it extends.
+from torch_openreg import compile as _compile  # noqa: E402
+
+_compile.install()
