@@ -53,3 +53,9 @@ from torch_openreg import custom_ops, python_kernels  # noqa: E402,F401
 
 # `model.to("openreg")` keeps every Parameter object and every tie (docs/module_conversion.md).
 from torch_openreg import module_conversion  # noqa: E402,F401
+
+# torch.compile: the Dynamo device interface, the `openreg` Dynamo backend and Inductor's code
+# generation for the device, each registered when torch imports the module it extends.
+from torch_openreg import compile as _compile  # noqa: E402
+
+_compile.install()

@@ -1,0 +1,295 @@
+"""torch.compile on openreg: Dynamo traces, guards and recompiles for openreg tensors, and Inductor
+generates C++ kernels that run on device memory, in stream order (torch_openreg/compile.py).
+
+Every result is compared with eager execution on the CPU. Generated code is inspected through
+``run_and_get_code``: its kernels, its allocations and its launches must be openreg's.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.device_interface import get_interface_for_device
+from torch._inductor.utils import run_and_get_code
+
+from test_models import MODELS
+from torch_openreg.testing import hold_stream
+
+
+@pytest.fixture(autouse=True)
+def reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run_python(code, env=None):
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=600)
+
+
+def cpu_copy(*tensors):
+    return [t.detach().cpu().requires_grad_(t.requires_grad) for t in tensors]
+
+
+# ---- registration ------------------------------------------------------------------------------
+
+def test_import_torch_does_not_import_dynamo_and_registration_follows_it():
+    result = run_python("""
+        import sys, torch
+        assert "torch._dynamo" not in sys.modules, "import torch imported torch._dynamo"
+        from torch._dynamo.device_interface import get_interface_for_device
+        from torch._inductor.codegen.common import get_scheduling_for_device
+        import torch._inductor.codegen.cpp, torch._inductor.codegen.wrapper
+        print(get_interface_for_device("openreg").__name__,
+              get_scheduling_for_device("openreg").__name__,
+              "openreg" in torch._dynamo.list_backends())
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["OpenRegInterface", "OpenRegScheduling", "True"]
+
+
+def test_registration_when_dynamo_was_imported_first():
+    # Without autoload, a user may import torch._dynamo before torch_openreg.
+    result = run_python("""
+        import torch, torch._dynamo, torch._inductor.codegen.wrapper, torch._inductor.codegen.cpp
+        import torch_openreg
+        f = torch.compile(lambda x: x.sin() + 1)
+        x = torch.randn(5, device="openreg:1")
+        print(torch.allclose(f(x).cpu(), x.cpu().sin() + 1), f(x).device)
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "openreg:1"]
+
+
+def test_device_interface():
+    iface = get_interface_for_device("openreg")
+    assert get_interface_for_device("openreg:1") is iface
+    assert iface.is_available() and iface.device_count() == torch.openreg.device_count()
+    assert iface.current_device() == torch.openreg.current_device()
+    previous = iface.exchange_device(1)
+    try:
+        assert iface.current_device() == 1
+    finally:
+        iface.maybe_exchange_device(previous)
+    assert iface.current_device() == previous
+    with iface.device(1):
+        assert torch.openreg.current_device() == 1
+    props = iface.get_device_properties(1)
+    assert props.total_memory > 0 and iface.Worker.get_device_properties(1) == props
+    major, minor = torch.openreg.get_device_capability()
+    assert iface.get_compute_capability() == major * 10 + minor
+    assert iface.is_bf16_supported() and iface.is_dtype_supported(torch.bfloat16)
+    assert not iface.is_triton_capable()
+
+    stream = iface.Stream(device=1)
+    assert isinstance(stream, torch.Stream) and stream.device == torch.device("openreg:1")
+    with iface.stream(stream):
+        assert iface.current_stream(1) == stream
+        assert iface.get_raw_stream(1) == stream.stream_id
+    event = iface.Event()
+    assert isinstance(event, torch.Event)
+    event.record(stream)
+    iface.synchronize(1)
+    assert event.query()
+
+    before = iface.memory_allocated(1)
+    x = torch.empty(1024, device="openreg:1")
+    assert iface.memory_allocated(1) == before + x.nbytes
+
+
+def test_openreg_dynamo_backend_is_listed_and_generates_code():
+    assert "openreg" in torch._dynamo.list_backends()
+    x = torch.randn(4, 4, device="openreg")
+    out, (code,) = run_and_get_code(torch.compile(lambda x: x.exp() * 2, backend="openreg"), x)
+    assert "cpp_fused" in code and out.device == x.device
+    torch.testing.assert_close(out.cpu(), x.cpu().exp() * 2)
+
+
+# ---- Dynamo ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_dynamo_backends_forward_and_backward(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+    cpu_model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))
+    cpu_model.load_state_dict(model.state_dict())
+    model.to("openreg:1")
+    x = torch.randn(5, 6)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    out = torch.compile(model, backend=counter)(x.to("openreg:1"))
+    out.sum().backward()
+    ref = cpu_model(x)
+    ref.sum().backward()
+    assert counter.frame_count == 1
+    assert out.device == torch.device("openreg:1")
+    torch.testing.assert_close(out.detach().cpu(), ref.detach())
+    for p, cp in zip(model.parameters(), cpu_model.parameters()):
+        assert p.grad.device == torch.device("openreg:1")
+        torch.testing.assert_close(p.grad.cpu(), cp.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_recompiles_on_shape_and_device_change():
+    counter = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(lambda x: (x * 2).sum(), backend=counter, dynamic=False)
+    f(torch.ones(3, device="openreg:0"))
+    f(torch.ones(3, device="openreg:0"))
+    assert counter.frame_count == 1
+    f(torch.ones(4, device="openreg:0"))
+    assert counter.frame_count == 2  # shape guard
+    out = f(torch.ones(4, device="openreg:1"))
+    assert counter.frame_count == 3  # device guard
+    assert out.device == torch.device("openreg:1") and out.item() == 8
+
+
+def test_graph_breaks_on_print_and_item(capsys):
+    counter = torch._dynamo.testing.CompileCounter()
+
+    def f(x):
+        y = x.relu() * 3
+        print("between graphs")
+        scale = y.sum().item()
+        return y / scale
+
+    x = torch.randn(6, device="openreg")
+    out = torch.compile(f, backend=counter)(x)
+    assert counter.frame_count >= 2  # one graph before the print, one after
+    assert "between graphs" in capsys.readouterr().out
+    torch.testing.assert_close(out.cpu(), f(x.cpu()))
+
+
+def test_fake_tensors_keep_openreg_devices():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        a = mode.from_tensor(torch.randn(2, 3, device="openreg:1"))
+        b = torch.ones(3, 4, device="openreg:1")
+        c = a @ b
+    assert a.device == c.device == torch.device("openreg:1") and c.shape == (2, 4)
+    with pytest.raises(RuntimeError, match="device"):
+        with FakeTensorMode() as mode:
+            mode.from_tensor(torch.randn(2, device="openreg:0")) + \
+                mode.from_tensor(torch.randn(2, device="openreg:1"))
+
+
+# ---- Inductor ----------------------------------------------------------------------------------
+
+def test_inductor_generates_kernels_that_run_on_device_memory():
+    def f(x, y):
+        return (x * y + 1).relu().sum(0), torch.tanh(x) @ y.t()
+
+    x, y = torch.randn(8, 16, device="openreg:1"), torch.randn(8, 16, device="openreg:1")
+    torch.openreg.synchronize(1)
+    before0 = torch.openreg.memory_allocated(0)
+    before1 = torch.openreg.memory_allocated(1)
+    (a, b), (code,) = run_and_get_code(torch.compile(f), x, y)
+    # Generated C++ kernels, launched on openreg:1 in stream order, buffers from its allocator.
+    assert "cpp_fused" in code and "extern \"C\"" in code
+    assert "with openreg_launch_1: cpp_fused" in code
+    assert "empty_strided_openreg(" in code and "device='cpu'" not in code
+    assert "empty_strided_cpu(" not in code.split("def call")[1]
+    assert a.device == b.device == torch.device("openreg:1")
+    ra, rb = f(x.cpu(), y.cpu())
+    torch.testing.assert_close(a.cpu(), ra)
+    torch.testing.assert_close(b.cpu(), rb)
+    # The outputs are counted by the device allocator (blocks of 512 bytes), temporaries freed.
+    assert torch.openreg.memory_allocated(1) == before1 + 512 + 512
+    assert torch.openreg.memory_allocated(0) == before0
+    del a, b
+    assert torch.openreg.memory_allocated(1) == before1
+
+
+def test_compiled_kernel_waits_for_the_stream():
+    # A non_blocking copy queued on the stream has not landed while the stream is held; a
+    # compiled kernel issued after it must wait for it, like an eager kernel does.
+    f = torch.compile(lambda x: x * 2 + 1)
+    x = torch.zeros(1000, device="openreg:0")
+    f(x)  # compiled outside the hold
+    host = torch.arange(1000.0).pin_memory()
+    result = {}
+    with hold_stream():
+        x.copy_(host, non_blocking=True)
+        worker = threading.Thread(target=lambda: result.setdefault("y", f(x)))
+        worker.start()
+        worker.join(0.5)
+        waited = worker.is_alive()
+    worker.join()
+    assert waited, "the compiled kernel ran before the work queued on its stream"
+    torch.testing.assert_close(result["y"].cpu(), host * 2 + 1)
+
+
+def test_compiled_code_runs_on_the_current_stream():
+    f = torch.compile(lambda x: x + 1)
+    x = torch.zeros(4096, device="openreg:0")
+    f(x)
+    stream = torch.openreg.Stream()
+    host = torch.ones(4096).pin_memory()
+    with torch.openreg.stream(stream):
+        with hold_stream(stream):
+            x.copy_(host, non_blocking=True)  # on `stream`, held
+            # The default stream is free: nothing there to wait for, and it sees zeros if the
+            # kernel were launched there. The kernel belongs to `stream`, so it waits.
+            worker = threading.Thread(
+                target=lambda: (torch.openreg.set_stream(stream), result.append(f(x))))
+            result = []
+            worker.start()
+            worker.join(0.5)
+            waited = worker.is_alive()
+        worker.join()
+    assert waited
+    torch.testing.assert_close(result[0].cpu(), host + 1)
+
+
+def test_strict_memory_mode():
+    result = run_python("""
+        import torch
+        f = torch.compile(lambda x, y: (x @ y).relu() * 2 + x.sum())
+        x, y = torch.randn(8, 8, device="openreg"), torch.randn(8, 8, device="openreg")
+        out = f(x, y)
+        ref = (x.cpu() @ y.cpu()).relu() * 2 + x.cpu().sum()
+        print(torch.allclose(out.cpu(), ref, atol=1e-5))
+        # A host access outside a kernel still faults in strict mode.
+        import ctypes
+        ctypes.c_float.from_address(out.data_ptr()).value
+    """, env={"OPENREG_STRICT_MEMORY": "1"})
+    assert result.stdout.split() == ["True"], result.stderr
+    assert result.returncode != 0 and "accessed device memory" in result.stderr
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mlp", "cnn_batchnorm", "transformer_encoder"])
+def test_model_forward_backward_matches_cpu(name):
+    factory, data, loss_fn, _ = MODELS[name]
+    torch.manual_seed(0)
+    cpu_model = factory()
+    model = factory().to("openreg:1")
+    model.load_state_dict(cpu_model.state_dict())
+    x, y = data()
+    step = torch.compile(lambda x, y: loss_fn(model(x), y))
+
+    def train_step():
+        loss = step(x.to("openreg:1"), y.to("openreg:1"))
+        loss.backward()
+        return loss
+
+    loss, codes = run_and_get_code(train_step)
+    assert len(codes) == 2  # forward and backward
+    for code in codes:
+        assert "with openreg_launch_1: cpp_fused" in code
+    ref = loss_fn(cpu_model(x), y)
+    ref.backward()
+    assert loss.device == torch.device("openreg:1")
+    torch.testing.assert_close(loss.detach().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
+    for (pname, p), cp in zip(model.named_parameters(), cpu_model.parameters()):
+        assert p.grad.device == torch.device("openreg:1"), pname
+        torch.testing.assert_close(p.grad.cpu(), cp.grad, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{pname}: {m}")

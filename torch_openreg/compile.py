@@ -1,0 +1,354 @@
+"""torch.compile for openreg: what Dynamo and Inductor need from a device backend.
+
+* Dynamo: a ``DeviceInterface`` for ``openreg`` (devices, streams, events, synchronize, memory,
+  properties), registered with ``register_interface_for_device``, and a Dynamo backend named
+  ``openreg`` (Inductor, see ``openreg_backend``).
+* Inductor: ``register_backend_for_device("openreg", ...)`` with Inductor's CPU C++ scheduling
+  (openreg memory is host-addressable: generated C++ kernels read and write device memory in
+  place) and a Python wrapper that allocates buffers through the openreg allocator and runs every
+  kernel in stream order (``torch_openreg._C._KernelLaunch``, csrc/python/module.cpp); and
+  ``register_device_op_overrides("openreg", ...)`` for the device guard, set_device and
+  synchronize lines of generated code.
+
+Importing torch._dynamo costs about as much as importing torch itself, so nothing here imports
+it: ``install()`` (called by ``import torch_openreg``) arranges for each registration to run
+right after the module it extends is imported (``_after_import``), whichever code imports it
+first. See docs/compile.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["install", "openreg_backend"]
+
+
+# [docs:start AFTER_IMPORT]
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``hook(module)`` right after ``module`` is executed, the first time it is imported.
+
+    It only wraps the real loader's ``exec_module`` for the modules it watches; the module keeps
+    its own spec and loader. A hook must import nothing but the module it is given: it runs in
+    the middle of whatever import chain brought that module in.
+    """
+
+    def __init__(self) -> None:
+        self._hooks: dict[str, Callable[[Any], None]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, name: str, hook: Callable[[Any], None]) -> None:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__spec__", None) is not None:
+            hook(module)  # already imported (e.g. with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+            return
+        with self._lock:
+            self._hooks[name] = hook
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self._hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_hook(module: Any) -> None:
+            exec_module(module)
+            with self._lock:
+                hook = self._hooks.pop(name, None)
+            if hook is not None:
+                hook(module)
+
+        loader.exec_module = exec_then_hook  # this spec's own loader instance only
+        return spec
+# [docs:end AFTER_IMPORT]
+
+
+_after_import = _AfterImport()
+
+
+# ---- Dynamo ------------------------------------------------------------------------------------
+
+def _exchange_device(device: int) -> int:
+    previous = torch.openreg.current_device()
+    if device >= 0 and device != previous:
+        torch.openreg.set_device(device)
+    return previous
+
+
+def _set_stream_by_id(stream_id: int, device_index: int, device_type: int) -> None:
+    torch.accelerator.set_stream(
+        torch.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+    )
+
+
+def _raw_stream(device: int) -> int:
+    """The "raw stream" of generated code: the id of the current stream of ``device``."""
+    return torch.openreg.current_stream(device).stream_id
+
+
+def _register_dynamo(device_interface: Any) -> None:
+    from torch_openreg import openreg
+
+    # [docs:start DEVICE_INTERFACE]
+    class OpenRegInterface(device_interface.DeviceInterface):
+        """What Dynamo and Inductor ask of the device at trace and compile time."""
+
+        device = openreg.device
+        Stream = openreg.Stream  # a torch.Stream subclass, as Dynamo requires
+        Event = openreg.Event  # makes torch.Event objects of the device
+
+        class Worker:
+            """Queries answered in compile workers from values recorded in the main process."""
+
+            @staticmethod
+            def set_device(device: int) -> None:
+                device_interface.caching_worker_current_devices["openreg"] = device
+
+            @staticmethod
+            def current_device() -> int:
+                cached = device_interface.caching_worker_current_devices.get("openreg")
+                return openreg.current_device() if cached is None else cached
+
+            @staticmethod
+            def get_device_properties(device: Any = None) -> Any:
+                index = (OpenRegInterface.Worker.current_device() if device is None
+                         else openreg._device_index(device))
+                cache = device_interface.caching_worker_device_properties
+                if "openreg" not in cache:
+                    cache["openreg"] = [openreg.get_device_properties(i)
+                                        for i in range(openreg.device_count())]
+                return cache["openreg"][index]
+
+        current_device = staticmethod(openreg.current_device)
+        set_device = staticmethod(openreg.set_device)
+        device_count = staticmethod(openreg.device_count)
+        is_available = staticmethod(openreg.is_available)
+        exchange_device = staticmethod(_exchange_device)
+        maybe_exchange_device = staticmethod(_exchange_device)
+        stream = staticmethod(openreg.stream)
+        current_stream = staticmethod(openreg.current_stream)
+        set_stream = staticmethod(openreg.set_stream)
+        _set_stream_by_id = staticmethod(_set_stream_by_id)
+        get_raw_stream = staticmethod(_raw_stream)
+        synchronize = staticmethod(openreg.synchronize)
+        get_device_properties = staticmethod(openreg.get_device_properties)
+        memory_allocated = staticmethod(openreg.memory_allocated)
+        is_bf16_supported = staticmethod(openreg.is_bf16_supported)
+
+        @staticmethod
+        def get_compute_capability(device: Any = None) -> int:
+            major, minor = openreg.get_device_capability(device)
+            return major * 10 + minor
+
+        @staticmethod
+        def is_triton_capable(device: Any = None) -> bool:
+            return False  # generated code for openreg is C++ (Inductor's CPU codegen)
+
+    device_interface.register_interface_for_device("openreg", OpenRegInterface)
+    for i in range(openreg.device_count()):
+        device_interface.register_interface_for_device(f"openreg:{i}", OpenRegInterface)
+    # [docs:end DEVICE_INTERFACE]
+
+
+# [docs:start DYNAMO_BACKEND]
+def openreg_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    """The Dynamo backend ``"openreg"``: Inductor, generating C++ kernels for openreg tensors.
+
+    ``torch.compile(model, backend="openreg")`` is the same as the default backend for graphs
+    on openreg tensors; it exists so that code that picks a backend by device name finds one.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, **kwargs)
+
+
+def _register_dynamo_backend(registry: Any) -> None:
+    registry.register_backend(compiler_fn=openreg_backend, name="openreg")
+# [docs:end DYNAMO_BACKEND]
+
+
+# ---- Inductor ----------------------------------------------------------------------------------
+
+_INDUCTOR_MODULES = ("torch._inductor.codegen.common", "torch._inductor.codegen.wrapper",
+                     "torch._inductor.codegen.cpp")
+_inductor_modules: dict[str, Any] = {}
+
+
+def _inductor_module_loaded(module: Any) -> None:
+    _inductor_modules[module.__name__] = module
+    if len(_inductor_modules) == len(_INDUCTOR_MODULES):
+        _register_inductor(*(_inductor_modules[name] for name in _INDUCTOR_MODULES))
+
+
+def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
+    inductor_config = sys.modules["torch._inductor.config"]
+
+    # [docs:start DEVICE_OP_OVERRIDES]
+    class OpenRegDeviceOpOverrides(common.DeviceOpOverrides):
+        """Lines of Python that generated wrappers use for device management."""
+
+        def import_get_raw_stream_as(self, name: str) -> str:
+            return f"from torch_openreg.compile import _raw_stream as {name}"
+
+        def set_device(self, device_idx: int) -> str:
+            return f"torch.openreg.set_device({device_idx})"
+
+        def synchronize(self) -> str:
+            return "torch.openreg.synchronize()"
+
+        def device_guard(self, device_idx: int) -> str:
+            return f"torch.openreg.device({device_idx})"
+
+        def current_stream(self) -> str:
+            return "torch.openreg.current_stream()"
+    # [docs:end DEVICE_OP_OVERRIDES]
+
+    # [docs:start WRAPPER]
+    class _OpenRegWrapperLines:
+        """What the Python wrapper of a graph does differently for openreg (mixed into Inductor's
+        Python wrapper generators; CPU kernels and buffers of the same graph are left as they
+        are)."""
+
+        def write_header(self) -> None:
+            super().write_header()
+            self.header.splice(
+                """
+                from torch_openreg._C import _KernelLaunch
+                from torch_openreg.compile import _empty_strided_openreg as empty_strided_openreg
+                """,
+                strip=True,
+            )
+            for i in range(torch.openreg.device_count()):
+                self.header.writeline(f"openreg_launch_{i} = _KernelLaunch({i})")
+
+        def make_allocation(self, name, device, dtype, shape, stride,
+                            allocation_shape=None, is_pinned=False):
+            if device.type != "openreg":
+                return super().make_allocation(name, device, dtype, shape, stride,
+                                               allocation_shape, is_pinned)
+            # Through the openreg allocator, on the buffer's own device (the wrapper enters no
+            # device guard for devices Inductor does not know as GPUs).
+            if allocation_shape is None:
+                allocation_shape = shape
+            line = (f"{name} = empty_strided_openreg("
+                    f"{self.codegen_python_shape_tuple(allocation_shape)}, "
+                    f"{self.codegen_python_shape_tuple(stride)}, {dtype}, {device.index or 0})")
+            if allocation_shape != shape:
+                line += (f".as_strided({self.codegen_python_shape_tuple(shape)}, "
+                         f"{self.codegen_python_shape_tuple(stride)})")
+            return line
+
+        def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
+                                         triton=True, **kwargs):
+            device = device or wrapper.V.graph.get_current_device_or_throw()
+            if device.type != "openreg" or triton:
+                return super()._generate_kernel_call_helper(
+                    kernel_name, call_args, device=device, triton=triton, **kwargs)
+            # In stream order on the current stream of the device, like an eager kernel.
+            self.writeline(f"with openreg_launch_{device.index or 0}: "
+                           f"{self.wrap_kernel_call(kernel_name, call_args)}")
+
+    class OpenRegSubgraphWrapperCodegen(_OpenRegWrapperLines,
+                                        wrapper.SubgraphPythonWrapperCodegen):
+        def write_header(self) -> None:
+            wrapper.SubgraphPythonWrapperCodegen.write_header(self)  # the parent's serves
+
+    class OpenRegWrapperCodegen(_OpenRegWrapperLines, wrapper.PythonWrapperCodegen):
+        @staticmethod
+        def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+            if is_subgraph:
+                return OpenRegSubgraphWrapperCodegen(subgraph_name, parent_wrapper,
+                                                     partition_signatures)
+            return OpenRegWrapperCodegen()
+    # [docs:end WRAPPER]
+
+    # [docs:start SCHEDULING]
+    class OpenRegScheduling(cpp.CppScheduling):
+        """Inductor's C++ kernel generation, for openreg buffers.
+
+        Kernel generation asks ``torch._inductor.utils.get_current_backend()`` which language
+        it writes; that function knows the device types cpu, mps, xpu and tpu and answers
+        ``config.cuda_backend`` ("triton") for any other. While this class generates kernels,
+        the answer is made "cpp".
+        """
+
+        def codegen_node(self, node):
+            with inductor_config.patch(cuda_backend="cpp"):
+                return super().codegen_node(node)
+
+        def codegen_template(self, *args, **kwargs):
+            with inductor_config.patch(cuda_backend="cpp"):
+                return super().codegen_template(*args, **kwargs)
+
+        def flush(self):
+            with inductor_config.patch(cuda_backend="cpp"):
+                return super().flush()
+    # [docs:end SCHEDULING]
+
+    # [docs:start CACHE_KEY]
+    from torch._inductor.custom_graph_pass import CustomGraphModulePass
+
+    class OpenRegCodegenVersion(CustomGraphModulePass):
+        """Inductor caches generated code on disk (FX graph cache) under a key made of the
+        graph, torch's version and Inductor's configuration, not of the code generators of a
+        device. The uuid of a device's pass is part of the key: this one makes it change with
+        this file, so an upgraded torch_openreg never runs wrappers generated by an older one.
+        The pass itself leaves the graph as it is."""
+
+        def __call__(self, gm: torch.fx.GraphModule) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return _source_hash()
+    # [docs:end CACHE_KEY]
+
+    # [docs:start REGISTER_BACKEND]
+    common.register_backend_for_device("openreg", OpenRegScheduling, OpenRegWrapperCodegen,
+                                       device_custom_pass=OpenRegCodegenVersion())
+    common.register_device_op_overrides("openreg", OpenRegDeviceOpOverrides())
+    # Three loop transformations of the scheduler's fusion pass are not supported by the C++
+    # codegen; the scheduler skips them for nodes whose device type is "cpu" only, so they are
+    # turned off here (for every device of the process; CPU nodes skip them anyway).
+    inductor_config.loop_ordering_after_fusion = False
+    inductor_config.loop_reindexing_after_fusion = False
+    inductor_config.loop_index_inversion_in_fusion = False
+    # [docs:end REGISTER_BACKEND]
+
+
+@functools.cache
+def _source_hash() -> str:
+    import hashlib
+
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _empty_strided_openreg(size: tuple, stride: tuple, dtype: torch.dtype,
+                           device: int) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=torch.device("openreg", device))
+
+
+# [docs:start INSTALL]
+def install() -> None:
+    """Called by ``import torch_openreg``: each registration runs when torch imports the module it
+    extends (at once if it is already imported)."""
+    _after_import.watch("torch._dynamo.device_interface", _register_dynamo)
+    _after_import.watch("torch._dynamo.backends.registry", _register_dynamo_backend)
+    for name in _INDUCTOR_MODULES:
+        _after_import.watch(name, _inductor_module_loaded)
+    if _after_import not in sys.meta_path:
+        sys.meta_path.insert(0, _after_import)
+# [docs:end INSTALL]
