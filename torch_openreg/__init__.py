@@ -50,3 +50,6 @@ atexit.register(_C._release_autograd_graphs)
 # Operator routes written in Python (the C++ ones live in csrc/routes/): kernels for aten
 # operators, and custom operators in the `openreg` namespace. Registered once, at import.
 from torch_openreg import custom_ops, python_kernels  # noqa: E402,F401
+
+# The `occl` c10d backend for openreg tensors (docs/distributed.md).
+from torch_openreg import distributed  # noqa: E402,F401
