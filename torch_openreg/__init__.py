@@ -59,3 +59,6 @@ from torch_openreg import module_conversion  # noqa: E402,F401
 from torch_openreg import compile as _compile  # noqa: E402
 
 _compile.install()
+
+# The `occl` c10d backend for openreg tensors (docs/distributed.md).
+from torch_openreg import distributed  # noqa: E402,F401

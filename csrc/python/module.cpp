@@ -1,6 +1,7 @@
 // Native because: the Python extension module torch_openreg._C, exposing the native runtime to
 // torch_openreg/openreg (the torch.openreg device module). Grouped by mechanism.
 #include "adapters/autograd.h"
+#include "adapters/distributed.h"
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
 #include "adapters/host_allocator.h"
@@ -157,6 +158,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_is_pinned_pointer", [](uintptr_t ptr) {
     return openreg::is_pinned_pointer(reinterpret_cast<void*>(ptr));
   });
+
+  // ---- distributed (adapters/distributed.cpp): the occl c10d backend over a gloo backend
+  m.def("_occl_backend", &openreg::make_occl_backend);
 
   // ---- random (adapters/generator.cpp)
   m.def("_default_generator", [](int device) {

@@ -1,0 +1,556 @@
+// Native because: c10d's ProcessGroup routes each tensor to the c10d::Backend registered for its
+// device type, and a Backend can only be a C++ class (torch 2.13 has a Python trampoline for
+// ProcessGroup, not for Backend: a Python group replaces the whole ProcessGroup, so
+// "cpu:gloo,openreg:occl" could not compose); DDP's reducer also issues collectives from the
+// autograd thread, where a C++ backend needs no GIL.
+//
+// occl (docs/distributed.md): a c10d backend for openreg tensors built on gloo. Each collective
+// hands gloo CPU tensors that alias the device memory (cpu_alias: same address, sizes, strides),
+// so gloo reads and writes device memory in place: no copy to the host and back. What gloo does
+// not do itself, occl adds around it: stream order, AVG and PREMUL_SUM, device tensors in the
+// results and futures, host access to device pages in strict-memory mode.
+#include "adapters/distributed.h"
+
+#include "ops/cpu_kernel.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+
+namespace openreg {
+namespace {
+
+using c10d::Backend;
+using c10d::OpType;
+using c10d::ReduceOp;
+using c10d::Work;
+using TensorList = std::vector<at::Tensor>;
+
+bool on_device(const at::Tensor& t) {
+  return t.defined() && t.device().type() == c10::DeviceType::PrivateUse1;
+}
+
+// [docs:start OCCL_WORK]
+// The Work returned for an occl collective: gloo's Work underneath, but its result and future
+// hold the device tensors (DDP's reducer and FSDP read the reduced bucket from the future), and
+// a completion step (AVG's division) runs before anyone sees the result.
+class OcclWork : public Work {
+ public:
+  OcclWork(OpType type, c10::intrusive_ptr<Work> inner, TensorList outputs,
+           std::vector<c10::Device> devices, std::function<void()> finish,
+           std::shared_ptr<KernelScope> scope)
+      : Work(-1, type),
+        inner_(std::move(inner)),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()), std::move(devices))) {
+    c10::intrusive_ptr<c10::ivalue::Future> inner_future;
+    try {
+      inner_future = inner_->getFuture();
+    } catch (const std::exception&) {
+      // gloo's send/recv works have no future: completion is seen by wait()
+    }
+    if (inner_future) {
+      inner_future->addCallback(
+          [future = future_, outputs = outputs_, finish = std::move(finish),
+           scope = std::move(scope)](c10::ivalue::Future& done) mutable {
+            complete(done.hasError() ? done.exception_ptr() : nullptr, *future, outputs, finish);
+            scope.reset();
+          });
+    } else {
+      finish_ = std::move(finish);
+      scope_ = std::move(scope);
+      completes_at_wait_ = true;
+    }
+  }
+
+  // Blocks the host until the collective has finished (gloo's wait, which raises its errors and
+  // timeouts): kernels issued afterwards on any stream see the result.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    bool ok = false;
+    try {
+      ok = inner_->wait(timeout);
+    } catch (...) {
+      complete_here(std::current_exception());
+      throw;
+    }
+    complete_here(nullptr);
+    future_->waitAndThrow();
+    return ok;
+  }
+  bool isCompleted() override {
+    if (completes_at_wait_ && inner_->isCompleted()) complete_here(inner_->exception());
+    return future_->completed();
+  }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+  }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  TensorList result() override { return outputs_; }
+  void synchronize() override {}
+  void abort() override { inner_->abort(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+
+ private:
+  static void complete(std::exception_ptr error, c10::ivalue::Future& future,
+                       const TensorList& outputs, const std::function<void()>& finish) {
+    if (!error && finish) {
+      try {
+        finish();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) {
+      future.setError(error);
+    } else {
+      future.markCompleted(c10::IValue(outputs));
+    }
+  }
+  // Works without a gloo future (send, recv) complete when their wait returns.
+  void complete_here(std::exception_ptr error) {
+    if (!completes_at_wait_) return;
+    std::lock_guard guard(mutex_);
+    if (future_->completed()) return;
+    complete(error, *future_, outputs_, finish_);
+    scope_.reset();
+  }
+
+  c10::intrusive_ptr<Work> inner_;
+  TensorList outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool completes_at_wait_ = false;
+  std::function<void()> finish_;
+  std::shared_ptr<KernelScope> scope_;
+};
+// [docs:end OCCL_WORK]
+
+// The Work of a coalesced group of operations: completes when all of them have.
+class CoalescedWork : public Work {
+ public:
+  explicit CoalescedWork(std::vector<c10::intrusive_ptr<Work>> works)
+      : Work(-1, OpType::COALESCED), works_(std::move(works)) {
+    std::vector<c10::Device> devices;
+    for (const auto& w : works_)
+      for (const auto& t : w->result())
+        if (on_device(t) && std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+          devices.push_back(t.device());
+    future_ = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()), devices);
+  }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    try {
+      for (auto& w : works_) w->wait(timeout);
+    } catch (...) {
+      if (!future_->completed()) future_->setErrorIfNeeded(std::current_exception());
+      throw;
+    }
+    if (!future_->completed()) future_->markCompleted(c10::IValue(result()));
+    return true;
+  }
+  bool isCompleted() override {
+    for (auto& w : works_)
+      if (!w->isCompleted()) return false;
+    return true;
+  }
+  TensorList result() override {
+    TensorList out;
+    for (auto& w : works_)
+      for (auto& t : w->result()) out.push_back(t);
+    return out;
+  }
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<c10::intrusive_ptr<Work>> works_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// [docs:start OCCL_CALL]
+// One collective being issued: device tensors become CPU aliases of their memory for gloo; the
+// host waits for the current stream of every device involved, so the collective sees every
+// kernel and copy issued before it (kernels run inline on the issuing thread, so this waits only
+// for queued asynchronous work, e.g. a non_blocking copy still in flight).
+class Call {
+ public:
+  at::Tensor alias(const at::Tensor& t) {
+    if (!on_device(t)) return t;
+    if (std::find(devices_.begin(), devices_.end(), t.device()) == devices_.end())
+      devices_.push_back(t.device());
+    return cpu_alias(t);
+  }
+  TensorList alias(const TensorList& ts) {
+    TensorList out;
+    out.reserve(ts.size());
+    for (const auto& t : ts) out.push_back(alias(t));
+    return out;
+  }
+  std::vector<TensorList> alias(const std::vector<TensorList>& ls) {
+    std::vector<TensorList> out;
+    out.reserve(ls.size());
+    for (const auto& l : ls) out.push_back(alias(l));
+    return out;
+  }
+
+  // After the aliases were taken, before gloo (or occl itself) touches the memory.
+  void start() {
+    for (const auto& d : devices_) stream_synchronize(current_stream(d.index()));
+    // In strict-memory mode, device pages are open to the host while the collective runs.
+    if (strict_memory() && !devices_.empty()) scope_ = std::make_shared<KernelScope>();
+  }
+
+  c10::intrusive_ptr<Work> finish(OpType type, c10::intrusive_ptr<Work> inner, TensorList outputs,
+                                  std::function<void()> post = nullptr) {
+    return c10::make_intrusive<OcclWork>(type, std::move(inner), std::move(outputs), devices_,
+                                         std::move(post), std::move(scope_));
+  }
+
+ private:
+  std::vector<c10::Device> devices_;
+  std::shared_ptr<KernelScope> scope_;
+};
+// [docs:end OCCL_CALL]
+
+bool is_floating(const at::Tensor& t) { return at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()); }
+
+// [docs:start OCCL_REDUCE_OPS]
+// gloo reduces with SUM, PRODUCT, MIN, MAX and the bitwise ops. occl adds the two NCCL has:
+// AVG = SUM, then a division by the group size once the sum is complete (integer tensors divide
+// with truncation, as NCCL's ncclAvg); PREMUL_SUM = SUM of the inputs multiplied by the factor
+// (scaled in place when the input is the output, through a scaled copy otherwise).
+struct Reduction {
+  ReduceOp gloo_op;
+  double premul = 1.0;
+  at::Tensor premul_tensor;
+  bool average = false;
+};
+
+Reduction reduction(const ReduceOp& op) {
+  Reduction r{op};
+  if (op.op_ == ReduceOp::AVG) {
+    r.gloo_op = ReduceOp(ReduceOp::SUM);
+    r.average = true;
+  } else if (op.op_ == ReduceOp::PREMUL_SUM) {
+    auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK(s != nullptr, "occl: ReduceOp.PREMUL_SUM without its factor");
+    r.gloo_op = ReduceOp(ReduceOp::SUM);
+    r.premul = s->double_factor;
+    if (s->tensor_factor.defined()) r.premul_tensor = s->tensor_factor;
+  }
+  return r;
+}
+
+bool premultiplies(const Reduction& r) {
+  return r.premul_tensor.defined() || r.premul != 1.0;
+}
+
+void premultiply(const Reduction& r, at::Tensor& t) {
+  if (r.premul_tensor.defined()) {
+    t.mul_(r.premul_tensor.cpu().item());  // scalar factor, on the host
+  } else {
+    t.mul_(r.premul);
+  }
+}
+
+std::function<void()> average(const Reduction& r, TensorList outputs, int size) {
+  if (!r.average) return nullptr;
+  return [outputs = std::move(outputs), size] {
+    for (auto t : outputs) {
+      if (is_floating(t)) {
+        t.div_(size);
+      } else {
+        t.div_(size, "trunc");
+      }
+    }
+  };
+}
+// [docs:end OCCL_REDUCE_OPS]
+
+class OcclBackend : public Backend {
+ public:
+  explicit OcclBackend(c10::intrusive_ptr<Backend> gloo)
+      : Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+
+  const std::string getBackendName() const override { return "occl"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return gloo_->getBackendOptions(); }
+  // [docs:start OCCL_COALESCING]
+  // Coalescing (torch.distributed._coalescing_manager, batch_isend_irecv): the operations issued
+  // between start and end run as they are issued; endCoalescing returns one Work that completes
+  // when all of them have.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override {
+    std::lock_guard guard(coalescing_mutex_);
+    TORCH_CHECK(!coalescing_, "occl: startCoalescing called twice without endCoalescing");
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+  c10::intrusive_ptr<Work> endCoalescing() override {
+    std::lock_guard guard(coalescing_mutex_);
+    TORCH_CHECK(coalescing_, "occl: endCoalescing called without startCoalescing");
+    coalescing_ = false;
+    return c10::make_intrusive<CoalescedWork>(std::move(coalesced_));
+  }
+  // [docs:end OCCL_COALESCING]
+  void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
+  void setSequenceNumberForGroup() override { gloo_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return gloo_->getSequenceNumberForGroup(); }
+  void abort() override { gloo_->abort(); }
+  void shutdown() override { gloo_->shutdown(); }
+
+  // [docs:start OCCL_ALLREDUCE]
+  c10::intrusive_ptr<Work> allreduce(TensorList& tensors,
+                                     const c10d::AllreduceOptions& opts) override {
+    Call call;
+    TensorList a = call.alias(tensors);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r))
+      for (auto& t : a) premultiply(r, t);
+    c10d::AllreduceOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->allreduce(a, o);
+    return record(call.finish(OpType::ALLREDUCE, inner, tensors, average(r, a, getSize())));
+  }
+  // [docs:end OCCL_ALLREDUCE]
+
+  c10::intrusive_ptr<Work> allreduce_coalesced(
+      TensorList& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    Call call;
+    TensorList a = call.alias(tensors);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r))
+      for (auto& t : a) premultiply(r, t);
+    c10d::AllreduceCoalescedOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->allreduce_coalesced(a, o);
+    return record(call.finish(OpType::ALLREDUCE_COALESCED, inner, tensors, average(r, a, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> reduce(TensorList& tensors, const c10d::ReduceOptions& opts) override {
+    Call call;
+    TensorList a = call.alias(tensors);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r)) {
+      // Non-root inputs must stay as they are: reduce a scaled copy on those ranks.
+      for (auto& t : a) {
+        if (getRank() == opts.rootRank) {
+          premultiply(r, t);
+        } else {
+          t = t.clone();
+          premultiply(r, t);
+        }
+      }
+    }
+    c10d::ReduceOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->reduce(a, o);
+    TensorList root_out = getRank() == opts.rootRank ? a : TensorList{};
+    return record(call.finish(OpType::REDUCE, inner, tensors, average(r, root_out, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> broadcast(TensorList& tensors,
+                                      const c10d::BroadcastOptions& opts) override {
+    Call call;
+    TensorList a = call.alias(tensors);
+    call.start();
+    return record(call.finish(OpType::BROADCAST, gloo_->broadcast(a, opts), tensors));
+  }
+
+  c10::intrusive_ptr<Work> allgather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                     const c10d::AllgatherOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::ALLGATHER, gloo_->allgather(ao, ai, opts), flat(outputs)));
+  }
+
+  c10::intrusive_ptr<Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::AllgatherOptions& opts) override {
+    Call call;
+    at::Tensor ao = call.alias(output);
+    at::Tensor ai = call.alias(input);
+    call.start();
+    return record(call.finish(OpType::_ALLGATHER_BASE, gloo_->_allgather_base(ao, ai, opts), {output}));
+  }
+
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<TensorList>& outputs,
+                                               TensorList& inputs,
+                                               const c10d::AllgatherOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::ALLGATHER_COALESCED, gloo_->allgather_coalesced(ao, ai, opts),
+                       flat(outputs)));
+  }
+
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::ALLGATHER_COALESCED,
+                       gloo_->allgather_into_tensor_coalesced(ao, ai, opts), outputs));
+  }
+
+  c10::intrusive_ptr<Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                  const c10d::GatherOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::GATHER, gloo_->gather(ao, ai, opts), flat(outputs)));
+  }
+
+  c10::intrusive_ptr<Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
+                                   const c10d::ScatterOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::SCATTER, gloo_->scatter(ao, ai, opts), outputs));
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter(TensorList& outputs, std::vector<TensorList>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r))
+      for (auto& l : ai)
+        for (auto& t : l) t = scaled_copy(r, t);
+    c10d::ReduceScatterOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->reduce_scatter(ao, ai, o);
+    return record(call.finish(OpType::REDUCE_SCATTER, inner, outputs, average(r, ao, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    Call call;
+    at::Tensor ao = call.alias(output);
+    at::Tensor ai = call.alias(input);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r)) ai = scaled_copy(r, ai);
+    c10d::ReduceScatterOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->_reduce_scatter_base(ao, ai, o);
+    return record(call.finish(OpType::_REDUCE_SCATTER_BASE, inner, {output},
+                       average(r, {ao}, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    Reduction r = reduction(opts.reduceOp);
+    call.start();
+    if (premultiplies(r))
+      for (auto& t : ai) t = scaled_copy(r, t);
+    c10d::ReduceScatterOptions o = opts;
+    o.reduceOp = r.gloo_op;
+    auto inner = gloo_->reduce_scatter_tensor_coalesced(ao, ai, o);
+    return record(call.finish(OpType::REDUCE_SCATTER_TENSOR_COALESCED, inner, outputs,
+                       average(r, ao, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_splits,
+                                         std::vector<int64_t>& input_splits,
+                                         const c10d::AllToAllOptions& opts) override {
+    Call call;
+    at::Tensor ao = call.alias(output);
+    at::Tensor ai = call.alias(input);
+    call.start();
+    return record(call.finish(OpType::ALLTOALL_BASE,
+                       gloo_->alltoall_base(ao, ai, output_splits, input_splits, opts), {output}));
+  }
+
+  c10::intrusive_ptr<Work> alltoall(TensorList& outputs, TensorList& inputs,
+                                    const c10d::AllToAllOptions& opts) override {
+    Call call;
+    auto ao = call.alias(outputs);
+    auto ai = call.alias(inputs);
+    call.start();
+    return record(call.finish(OpType::ALLTOALL, gloo_->alltoall(ao, ai, opts), outputs));
+  }
+
+  c10::intrusive_ptr<Work> send(TensorList& tensors, int dst, int tag) override {
+    Call call;
+    auto a = call.alias(tensors);
+    call.start();
+    return record(call.finish(OpType::SEND, gloo_->send(a, dst, tag), tensors));
+  }
+
+  c10::intrusive_ptr<Work> recv(TensorList& tensors, int src, int tag) override {
+    Call call;
+    auto a = call.alias(tensors);
+    call.start();
+    return record(call.finish(OpType::RECV, gloo_->recv(a, src, tag), tensors));
+  }
+
+  c10::intrusive_ptr<Work> recvAnysource(TensorList& tensors, int tag) override {
+    Call call;
+    auto a = call.alias(tensors);
+    call.start();
+    return record(call.finish(OpType::RECVANYSOURCE, gloo_->recvAnysource(a, tag), tensors));
+  }
+
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
+    Call call;
+    call.start();
+    return record(call.finish(OpType::BARRIER, gloo_->barrier(opts), {}));
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    gloo_->monitoredBarrier(opts, wait_all_ranks);
+  }
+
+ private:
+  static TensorList flat(const std::vector<TensorList>& ls) {
+    TensorList out;
+    for (const auto& l : ls) out.insert(out.end(), l.begin(), l.end());
+    return out;
+  }
+  static at::Tensor scaled_copy(const Reduction& r, const at::Tensor& t) {
+    at::Tensor c = t.clone();
+    premultiply(r, c);
+    return c;
+  }
+
+  c10::intrusive_ptr<Work> record(c10::intrusive_ptr<Work> work) {
+    std::lock_guard guard(coalescing_mutex_);
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
+  c10::intrusive_ptr<Backend> gloo_;
+  std::mutex coalescing_mutex_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<Work>> coalesced_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo) {
+  TORCH_CHECK(gloo, "occl: needs a gloo backend underneath");
+  return c10::make_intrusive<OcclBackend>(std::move(gloo));
+}
+
+}  // namespace openreg
