@@ -209,6 +209,20 @@ def test_meta_and_to_empty_behave_as_cuda():
     assert m.weight is not w and m.weight.device.type == "openreg"
 
 
+def test_fake_tensor_mode_still_refuses_across_devices():
+    """Known gap (docs/module_conversion.md): FakeTensorMode decomposes the operator to TensorImpl's
+    rule before any backend kernel, so fake CPU <-> fake openreg stays incompatible."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        cpu, dev = torch.ones(2), torch.ones(2, device="openreg")
+        assert torch._has_compatible_shallow_copy_type(dev, dev)
+        assert not torch._has_compatible_shallow_copy_type(cpu, dev)
+        p = nn.Parameter(torch.ones(2))
+        with pytest.raises(RuntimeError, match="incompatible tensor type"):
+            p.data = dev
+
+
 def test_cpu_only_behaviour_unchanged():
     """The same CPU-only probe, in a process without torch_openreg and in one with it."""
     probe = """
