@@ -165,16 +165,20 @@ def test_jagged_sdpa_matches_cpu():
     torch.testing.assert_close(grad_d.values().cpu(), grad_c.values(), atol=1e-5, rtol=1e-4)
 
 
-def test_jagged_multihead_attention_with_nested_batch():
+def test_multihead_attention_fast_path_with_padding_mask():
+    # eval + no_grad + self-attention: nn.MultiheadAttention's fast path
+    # (_native_multi_head_attention), which turns a padding mask into a nested tensor.
     torch.manual_seed(0)
-    ref = nn.MultiheadAttention(8, 2, batch_first=True)
-    dev = nn.MultiheadAttention(8, 2, batch_first=True)
+    ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    dev = nn.MultiheadAttention(8, 2, batch_first=True).eval()
     dev.load_state_dict(ref.state_dict())
     dev.to(D)
     x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[False, False, True, True], [False] * 4])
+    xd = x.to(D)
     with torch.no_grad():
-        out_c, _ = ref(x, x, x, need_weights=False)
-        out_d, _ = dev(x.to(D), x.to(D), x.to(D), need_weights=False)
+        out_c, _ = ref(x, x, x, key_padding_mask=mask, need_weights=False)
+        out_d, _ = dev(xd, xd, xd, key_padding_mask=mask.to(D), need_weights=False)
     torch.testing.assert_close(out_d.cpu(), out_c, atol=1e-5, rtol=1e-4)
 
 

@@ -232,8 +232,7 @@ void for_each_tensor(const c10::IValue& v, Kind kind, F&& f) {
 // Operators that read CPU tensors beside openreg ones, as on CUDA: nested metadata (sizes,
 // strides, offsets) always lives on the CPU, and the copies copy between devices.
 bool takes_cpu_tensors(std::string_view name) {
-  return name.rfind("aten::_nested", 0) == 0 || name == "aten::copy_" ||
-         name == "aten::copy_sparse_to_sparse_";
+  return name.rfind("aten::_nested", 0) == 0 || name == "aten::copy_";
 }
 
 // Operators returning a nested tensor's metadata, which lives on the CPU (as on CUDA).
@@ -389,6 +388,26 @@ at::Tensor nested_to_copy(const at::Tensor& self, std::optional<at::ScalarType> 
 }
 // [docs:end NESTED_TO_COPY]
 
+// [docs:start SPARSE_COPY]
+// copy_ between sparse COO tensors on any two devices (the CPU's kernel would only see CPU twins
+// of the openreg side): the destination takes copies of the source's indices and values, made by
+// the dense copies (D2D, H2D, D2H, in stream order).
+at::Tensor& sparse_copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  TORCH_CHECK(self.is_sparse() && src.is_sparse(),
+              "copy_() between dense and sparse Tensors is not implemented! Found self type = ",
+              self.toString(), " and src type = ", src.toString());
+  if (self.is_same(src)) return self;
+  auto* d = static_cast<at::SparseTensorImpl*>(self.unsafeGetTensorImpl());
+  auto* s = static_cast<at::SparseTensorImpl*>(src.unsafeGetTensorImpl());
+  at::Tensor indices = s->indices().to(d->indices().options(), non_blocking, /*copy=*/true);
+  at::Tensor values = s->values().to(d->values().options(), non_blocking, /*copy=*/true);
+  d->raw_resize_(s->sparse_dim(), s->dense_dim(), src.sizes());
+  d->set_indices_and_values_unsafe(indices, values);
+  d->set_coalesced(s->coalesced());
+  return self;
+}
+// [docs:end SPARSE_COPY]
+
 // [docs:start LAYOUT_REGISTRATION]
 TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
@@ -412,11 +431,18 @@ void route_layout_ops(torch::Library& m, c10::DispatchKey cpu_key) {
     if (!op || !op->hasKernelForDispatchKey(cpu_key)) continue;
     std::string full = name.name.substr(6);
     if (!name.overload_name.empty()) full += "." + name.overload_name;
-    if (full == "_to_copy") continue;  // nested_to_copy
+    if (full == "_to_copy" && cpu_key == c10::DispatchKey::NestedTensorCPU) continue;
+    if ((full == "copy_" || full == "copy_sparse_to_sparse_") &&
+        cpu_key == c10::DispatchKey::SparseCPU)
+      continue;  // sparse_copy_
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
   }
 }
-TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) { route_layout_ops(m, c10::DispatchKey::SparseCPU); }
+TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
+  route_layout_ops(m, c10::DispatchKey::SparseCPU);
+  m.impl("copy_", sparse_copy_);
+  m.impl("copy_sparse_to_sparse_", sparse_copy_);
+}
 TORCH_LIBRARY_IMPL(aten, SparseCsrPrivateUse1, m) {
   route_layout_ops(m, c10::DispatchKey::SparseCsrCPU);
 }
