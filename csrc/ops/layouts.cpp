@@ -65,6 +65,19 @@ at::Tensor flat_over(c10::Storage storage, c10::DispatchKey key, caffe2::TypeMet
   return t;
 }
 
+// [docs:start HOST_METADATA]
+// Nested metadata (sizes, strides, offsets) is CPU data, read by host code. A CPU kernel that
+// makes new metadata allocates it inside the kernel session, from device memory (the session
+// redirects CPU allocations): copy such tensors to host memory before they leave the session.
+at::Tensor host_metadata(const at::Tensor& t) {
+  if (!t.defined() || !t.is_cpu() || !t.has_storage() ||
+      !is_device_memory(t.storage().data_ptr()))
+    return t;
+  AllocateOnDevice host(-1);  // plain CPU allocations again
+  return t.clone();
+}
+// [docs:end HOST_METADATA]
+
 // One operator call: the CPU twin of each openreg tensor argument (same layout, dense parts
 // aliasing device memory), and the openreg tensor of each CPU result.
 class LayoutSession {
@@ -130,9 +143,9 @@ class LayoutSession {
       }
     if (cpu.is_nested()) {
       auto* impl = at::native::get_nested_tensor_impl(cpu);
-      at::Tensor sizes = impl->get_nested_sizes();
-      at::Tensor strides = impl->get_nested_strides();
-      at::Tensor offsets = impl->get_storage_offsets();
+      at::Tensor sizes = host_metadata(impl->get_nested_sizes());
+      at::Tensor strides = host_metadata(impl->get_nested_strides());
+      at::Tensor offsets = host_metadata(impl->get_storage_offsets());
       c10::Storage storage = cpu.storage();
       auto dtype = cpu.dtype();
       cpu.reset();  // the buffer's only owner now: its device memory is adopted, not shared
@@ -345,7 +358,11 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       for (const at::Tensor& t : v.toTensorList()) session.sync_written(t);
   }
   const size_t num_returns = schema.returns().size();
-  if (returns_cpu_metadata(schema.name())) return;
+  if (returns_cpu_metadata(schema.name())) {
+    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i)
+      if ((*stack)[i].isTensor()) (*stack)[i] = host_metadata((*stack)[i].toTensor());
+    return;
+  }
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
