@@ -1,7 +1,7 @@
 """Per-call cost of sparse and nested operators on openreg next to the same call on the CPU
 (docs/layouts.md), in one process, rounds interleaved so that both see the same machine load.
 
-    python benchmarks/layouts.py [--rounds R]
+    python benchmarks/layouts.py [--rounds R] [--threads N]
 
 Each line: median µs per call on the CPU, on openreg, and the ratio. The fixed cost on openreg is
 the layout fallback (a CPU twin per sparse/nested argument, one CPU alias per dense part, the
@@ -53,7 +53,11 @@ def cases(device: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads(N) first (1 steadies numbers on a busy machine)")
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     times: dict[str, dict[str, list[float]]] = {}
     with torch.no_grad():
         all_cases = {d: cases(d) for d in ("cpu", "openreg")}

@@ -2,6 +2,10 @@
 whose buffer is device memory, its metadata on the CPU, as on CUDA) and the jagged layout (a
 Python subclass over dense device tensors) give the CPU's results, including the Transformer
 encoder's fast path and SDPA on jagged inputs."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -129,6 +133,30 @@ def test_strided_backward():
         torch.testing.assert_close(a.grad.cpu(), b.grad)
 
 
+def test_metadata_is_host_memory_under_strict_memory_isolation():
+    # Metadata made by a CPU kernel (the strides of a transposed view, the sizes of a result) is
+    # host data: with OPENREG_STRICT_MEMORY=1, host code reading it from device memory would fault.
+    code = """
+import warnings, torch, torch.nn as nn
+warnings.filterwarnings("ignore")
+nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], device="openreg")
+c = nt.transpose(1, 2).contiguous()
+assert c.is_contiguous() and c._nested_tensor_strides().device.type == "cpu"
+assert torch.nested.to_padded_tensor(c, 0.0).shape == (2, 3, 4)
+m = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1).eval()
+m.to("openreg")
+x = torch.randn(2, 5, 8, device="openreg")
+mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2], device="openreg")
+with torch.no_grad():
+    print(m(x, src_key_padding_mask=mask).cpu().shape)
+"""
+    env = dict(os.environ, OPENREG_STRICT_MEMORY="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "torch.Size([2, 5, 8])" in r.stdout
+
+
 # ---- jagged layout ----
 
 def test_jagged_construction_and_ops():
@@ -165,16 +193,20 @@ def test_jagged_sdpa_matches_cpu():
     torch.testing.assert_close(grad_d.values().cpu(), grad_c.values(), atol=1e-5, rtol=1e-4)
 
 
-def test_jagged_multihead_attention_with_nested_batch():
+def test_multihead_attention_fast_path_with_padding_mask():
+    # eval + no_grad + self-attention: nn.MultiheadAttention's fast path
+    # (_native_multi_head_attention), which turns a padding mask into a nested tensor.
     torch.manual_seed(0)
-    ref = nn.MultiheadAttention(8, 2, batch_first=True)
-    dev = nn.MultiheadAttention(8, 2, batch_first=True)
+    ref = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    dev = nn.MultiheadAttention(8, 2, batch_first=True).eval()
     dev.load_state_dict(ref.state_dict())
     dev.to(D)
     x = torch.randn(2, 4, 8)
+    mask = torch.tensor([[False, False, True, True], [False] * 4])
+    xd = x.to(D)
     with torch.no_grad():
-        out_c, _ = ref(x, x, x, need_weights=False)
-        out_d, _ = dev(x.to(D), x.to(D), x.to(D), need_weights=False)
+        out_c, _ = ref(x, x, x, key_padding_mask=mask, need_weights=False)
+        out_d, _ = dev(xd, xd, xd, key_padding_mask=mask.to(D), need_weights=False)
     torch.testing.assert_close(out_d.cpu(), out_c, atol=1e-5, rtol=1e-4)
 
 

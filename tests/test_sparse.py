@@ -126,6 +126,20 @@ def test_copies_between_devices():
     same(dev.double(), cpu.double())
 
 
+def test_copy_between_devices():
+    cpu, dev = coo_pair(coalesced=True)
+    for target in ("openreg:0", "openreg:1", "cpu"):
+        dst = torch.zeros(4, 5, device=target).to_sparse()
+        dst.copy_(dev)
+        assert dst.device == torch.device(target) and dst._values().device == dst.device
+        torch.testing.assert_close(dst.to_dense().cpu(), cpu.to_dense())
+    dst = torch.zeros(4, 5, device=D).to_sparse()
+    dst.copy_(cpu)
+    same(dst, cpu)
+    with pytest.raises(RuntimeError, match="between dense and sparse"):
+        torch.zeros(4, 5, device=D).to_sparse().copy_(torch.ones(4, 5, device=D))
+
+
 def test_to_dense_coalesce_indices_values():
     cpu, dev = coo_pair(nnz=12)
     assert not dev.is_coalesced()
@@ -164,7 +178,7 @@ def test_arithmetic():
 def test_in_place_ops():
     a_cpu, a = coo_pair(seed=1)
     b_cpu, b = coo_pair(seed=2)
-    a.add_(b)
+    assert a.add_(b) is a
     a_cpu.add_(b_cpu)
     same(a, a_cpu)
     a.mul_(2.0)
@@ -308,6 +322,15 @@ def test_mixed_devices_rejected():
         torch.sparse.mm(a, torch.randn(5, 3))
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.sparse.mm(a, torch.randn(5, 3, device="openreg:1"))
+
+
+def test_invariant_checks_raise_the_cpu_errors():
+    with pytest.raises(RuntimeError, match="size is inconsistent with indices"):
+        torch.sparse_coo_tensor(torch.tensor([[0, 9]]), torch.ones(2), (3,), device=D,
+                                check_invariants=True)
+    with pytest.raises(RuntimeError, match="crow_indices"):
+        torch.sparse_csr_tensor(torch.tensor([0, 5, 1]), torch.tensor([0]), torch.ones(1), (2, 2),
+                                device=D, check_invariants=True)
 
 
 def test_cpu_errors_are_kept():

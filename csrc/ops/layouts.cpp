@@ -65,6 +65,19 @@ at::Tensor flat_over(c10::Storage storage, c10::DispatchKey key, caffe2::TypeMet
   return t;
 }
 
+// [docs:start HOST_METADATA]
+// Nested metadata (sizes, strides, offsets) is CPU data, read by host code. A CPU kernel that
+// makes new metadata allocates it inside the kernel session, from device memory (the session
+// redirects CPU allocations): copy such tensors to host memory before they leave the session.
+at::Tensor host_metadata(const at::Tensor& t) {
+  if (!t.defined() || !t.is_cpu() || !t.has_storage() ||
+      !is_device_memory(t.storage().data_ptr()))
+    return t;
+  AllocateOnDevice host(-1);  // plain CPU allocations again
+  return t.clone();
+}
+// [docs:end HOST_METADATA]
+
 // One operator call: the CPU twin of each openreg tensor argument (same layout, dense parts
 // aliasing device memory), and the openreg tensor of each CPU result.
 class LayoutSession {
@@ -130,9 +143,9 @@ class LayoutSession {
       }
     if (cpu.is_nested()) {
       auto* impl = at::native::get_nested_tensor_impl(cpu);
-      at::Tensor sizes = impl->get_nested_sizes();
-      at::Tensor strides = impl->get_nested_strides();
-      at::Tensor offsets = impl->get_storage_offsets();
+      at::Tensor sizes = host_metadata(impl->get_nested_sizes());
+      at::Tensor strides = host_metadata(impl->get_nested_strides());
+      at::Tensor offsets = host_metadata(impl->get_storage_offsets());
       c10::Storage storage = cpu.storage();
       auto dtype = cpu.dtype();
       cpu.reset();  // the buffer's only owner now: its device memory is adopted, not shared
@@ -232,8 +245,7 @@ void for_each_tensor(const c10::IValue& v, Kind kind, F&& f) {
 // Operators that read CPU tensors beside openreg ones, as on CUDA: nested metadata (sizes,
 // strides, offsets) always lives on the CPU, and the copies copy between devices.
 bool takes_cpu_tensors(std::string_view name) {
-  return name.rfind("aten::_nested", 0) == 0 || name == "aten::copy_" ||
-         name == "aten::copy_sparse_to_sparse_";
+  return name.rfind("aten::_nested", 0) == 0 || name == "aten::copy_";
 }
 
 // Operators returning a nested tensor's metadata, which lives on the CPU (as on CUDA).
@@ -346,7 +358,11 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       for (const at::Tensor& t : v.toTensorList()) session.sync_written(t);
   }
   const size_t num_returns = schema.returns().size();
-  if (returns_cpu_metadata(schema.name())) return;
+  if (returns_cpu_metadata(schema.name())) {
+    for (size_t i = stack->size() - num_returns; i < stack->size(); ++i)
+      if ((*stack)[i].isTensor()) (*stack)[i] = host_metadata((*stack)[i].toTensor());
+    return;
+  }
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
@@ -389,6 +405,26 @@ at::Tensor nested_to_copy(const at::Tensor& self, std::optional<at::ScalarType> 
 }
 // [docs:end NESTED_TO_COPY]
 
+// [docs:start SPARSE_COPY]
+// copy_ between sparse COO tensors on any two devices (the CPU's kernel would only see CPU twins
+// of the openreg side): the destination takes copies of the source's indices and values, made by
+// the dense copies (D2D, H2D, D2H, in stream order).
+at::Tensor& sparse_copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  TORCH_CHECK(self.is_sparse() && src.is_sparse(),
+              "copy_() between dense and sparse Tensors is not implemented! Found self type = ",
+              self.toString(), " and src type = ", src.toString());
+  if (self.is_same(src)) return self;
+  auto* d = static_cast<at::SparseTensorImpl*>(self.unsafeGetTensorImpl());
+  auto* s = static_cast<at::SparseTensorImpl*>(src.unsafeGetTensorImpl());
+  at::Tensor indices = s->indices().to(d->indices().options(), non_blocking, /*copy=*/true);
+  at::Tensor values = s->values().to(d->values().options(), non_blocking, /*copy=*/true);
+  d->raw_resize_(s->sparse_dim(), s->dense_dim(), src.sizes());
+  d->set_indices_and_values_unsafe(indices, values);
+  d->set_coalesced(s->coalesced());
+  return self;
+}
+// [docs:end SPARSE_COPY]
+
 // [docs:start LAYOUT_REGISTRATION]
 TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
@@ -412,11 +448,18 @@ void route_layout_ops(torch::Library& m, c10::DispatchKey cpu_key) {
     if (!op || !op->hasKernelForDispatchKey(cpu_key)) continue;
     std::string full = name.name.substr(6);
     if (!name.overload_name.empty()) full += "." + name.overload_name;
-    if (full == "_to_copy") continue;  // nested_to_copy
+    if (full == "_to_copy" && cpu_key == c10::DispatchKey::NestedTensorCPU) continue;
+    if ((full == "copy_" || full == "copy_sparse_to_sparse_") &&
+        cpu_key == c10::DispatchKey::SparseCPU)
+      continue;  // sparse_copy_
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
   }
 }
-TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) { route_layout_ops(m, c10::DispatchKey::SparseCPU); }
+TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
+  route_layout_ops(m, c10::DispatchKey::SparseCPU);
+  m.impl("copy_", sparse_copy_);
+  m.impl("copy_sparse_to_sparse_", sparse_copy_);
+}
 TORCH_LIBRARY_IMPL(aten, SparseCsrPrivateUse1, m) {
   route_layout_ops(m, c10::DispatchKey::SparseCsrCPU);
 }
