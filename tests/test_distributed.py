@@ -558,11 +558,12 @@ def _check_mismatch(rank, world):
 def _check_killed(rank, world):
     x = torch.ones(1 << 22, device=_dev(rank))
     dist.all_reduce(x)  # connections are up
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)  # dies while rank 0 is inside the next collective
     t0 = time.monotonic()
+    work = dist.all_reduce(x, async_op=True)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies in the middle of the collective
     try:
-        dist.all_reduce(x)
+        work.wait()
     except RuntimeError as e:
         return ("error", str(e), time.monotonic() - t0)
     return ("no error", None, time.monotonic() - t0)

@@ -71,15 +71,21 @@ class OcclWork : public Work {
 
   // Blocks the host until the collective has finished (gloo's wait, which raises its errors and
   // timeouts): kernels issued afterwards on any stream see the result.
+  // Without a timeout of its own, it waits for occl's future only: that is completed by a
+  // callback of gloo's future, which runs after gloo's waiters are woken, so waiting for gloo
+  // first would cost the host a second wake-up per collective. gloo's own timeout still applies:
+  // the operation then fails and the error reaches the future.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
-    bool ok = false;
-    try {
-      ok = inner_->wait(timeout);
-    } catch (...) {
-      complete_here(std::current_exception());
-      throw;
+    bool ok = true;
+    if (completes_at_wait_ || timeout != kNoTimeout) {
+      try {
+        ok = inner_->wait(timeout);
+      } catch (...) {
+        complete_here(std::current_exception());
+        throw;
+      }
+      complete_here(nullptr);
     }
-    complete_here(nullptr);
     future_->waitAndThrow();
     return ok;
   }
