@@ -1,13 +1,13 @@
 """all_reduce bus bandwidth: occl on openreg tensors vs gloo on CPU tensors, in one run.
 
-    PYTHONPATH=. python benchmarks/distributed.py [--ranks 2] [--iters 20] [--max-mb 64]
+    PYTHONPATH=. python benchmarks/distributed.py [--ranks 2] [--iters 400] [--max-mb 64]
 
 Spawns the ranks once (a TCP store on 127.0.0.1); each rank joins one process group
 "cpu:gloo,openreg:occl", so the two backends share the processes, the machine load and gloo's
 transport. For each size from 1 KB to 64 MB, occl (openreg tensors, rank r on openreg:r % 2) and
-gloo (CPU tensors) alternate in short batches of `iters` all_reduce (SUM, float32; a quarter
-of that from 1 MB), the order swapped every round, so that both see the same machine load. Each
-call is timed alone (it returns when the result is there). The report: per size, the median and
+gloo (CPU tensors) alternate call by call, `iters` all_reduce (SUM, float32) each (a tenth of
+that from 1 MB), the order swapped every pair, so that both see the same machine load. Each call
+is timed alone (it returns when the result is there). The report: per size, the median and
 the 10th percentile of the call times on rank 0 (the latter is less disturbed by other load on a
 shared machine), the bus bandwidth size * 2 (n - 1) / n / time at the median (the nccl-tests
 convention), and occl/gloo for both. occl hands gloo CPU aliases of the device
@@ -34,17 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _calls(x: torch.Tensor, iters: int) -> list[float]:
-    """Times `iters` all_reduce one by one (each waits for its result)."""
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
-    return times
+def _call(x: torch.Tensor) -> float:
+    """One all_reduce, timed until its result is there."""
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    return time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.openreg.set_device(rank % torch.openreg.device_count())
     dist.init_process_group("cpu:gloo,openreg:occl", rank=rank, world_size=world)
@@ -53,14 +50,15 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds
         n = max(1, nbytes // 4)
         xs = {"gloo": torch.ones(n), "occl": torch.ones(n, device="openreg")}
         for x in xs.values():  # warm up (connections, pages)
-            _calls(x, 2)
+            _call(x)
+            _call(x)
         times = {"gloo": [], "occl": []}
-        calls = max(1, iters // 4) if nbytes >= 1 << 20 else iters
-        for r in range(rounds):
-            # short alternating batches, the order swapped every round: both backends see the
+        calls = max(10, iters // 10) if nbytes >= 1 << 20 else iters
+        for i in range(calls):
+            # call by call, alternating, the order swapped every pair: both backends see the
             # same machine load
-            for name in (("occl", "gloo") if r % 2 == 0 else ("gloo", "occl")):
-                times[name].extend(_calls(xs[name], calls))
+            for name in (("occl", "gloo") if i % 2 == 0 else ("gloo", "occl")):
+                times[name].append(_call(xs[name]))
         results[nbytes] = {k: (statistics.median(v), sorted(v)[len(v) // 10]) for k, v in
                            times.items()}
     if rank == 0:
@@ -71,8 +69,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--max-mb", type=int, default=64)
     args = parser.parse_args()
     sizes = []
@@ -83,13 +80,13 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = mp.start_processes(_rank, args=(args.ranks, port, sizes, args.iters, args.rounds, queue),
+    procs = mp.start_processes(_rank, args=(args.ranks, port, sizes, args.iters, queue),
                                nprocs=args.ranks, join=False, start_method="spawn")
     results = queue.get(timeout=1800)
     procs.join()
     bus = 2 * (args.ranks - 1) / args.ranks
-    print(f"all_reduce SUM float32, {args.ranks} ranks, {args.rounds} alternating rounds of "
-          f"{args.iters} calls per size and backend ({max(1, args.iters // 4)} from 1 MB)")
+    print(f"all_reduce SUM float32, {args.ranks} ranks, {args.iters} calls per size and backend "
+          f"({max(10, args.iters // 10)} from 1 MB), alternating call by call")
     print(f"{'size':>8} {'gloo CPU us':>20} {'occl us':>20} {'gloo GB/s':>10} {'occl GB/s':>10}"
           f" {'occl/gloo':>10} {'occl/gloo':>10}")
     print(f"{'':>8} {'median / p10':>20} {'median / p10':>20} {'median':>10} {'median':>10}"
