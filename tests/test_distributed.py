@@ -610,7 +610,9 @@ def test_failures_raise_within_timeout(case):
         assert status == "error", (case, r, message)
         assert seconds < 3.0 + 5.0, (case, r, seconds, message)  # the timeout, plus slack
     assert elapsed < 60
-    assert _shm() <= shm, _shm() - shm  # no shared memory left behind
+    # no shared memory left behind by torch (torch_<pid>_...); /dev/shm is shared with every
+    # other process of the machine, so only torch's names are compared
+    assert {n for n in _shm() - shm if n.startswith("torch_")} == set()
     assert not multiprocessing.active_children()
 
 
