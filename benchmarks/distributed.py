@@ -1,13 +1,16 @@
 """all_reduce bus bandwidth: occl on openreg tensors vs gloo on CPU tensors, in one run.
 
-    PYTHONPATH=. python benchmarks/distributed.py [--ranks 2] [--iters 20] [--max-mb 64]
+    PYTHONPATH=. python benchmarks/distributed.py [--ranks 2] [--iters 400] [--max-mb 64]
 
 Spawns the ranks once (a TCP store on 127.0.0.1); each rank joins one process group
 "cpu:gloo,openreg:occl", so the two backends share the processes, the machine load and gloo's
 transport. For each size from 1 KB to 64 MB, occl (openreg tensors, rank r on openreg:r % 2) and
-gloo (CPU tensors) alternate, `iters` all_reduce (SUM, float32) each, repeated over rounds; the
-report is the median time per all_reduce of rank 0 and the bus bandwidth
-size * 2 (n - 1) / n / time (the nccl-tests convention). occl hands gloo CPU aliases of the device
+gloo (CPU tensors) alternate call by call, `iters` all_reduce (SUM, float32) each (a tenth of
+that from 1 MB), the order swapped every pair, so that both see the same machine load. Each call
+is timed alone (it returns when the result is there). The report: per size, the median and
+the 10th percentile of the call times on rank 0 (the latter is less disturbed by other load on a
+shared machine), the bus bandwidth size * 2 (n - 1) / n / time at the median (the nccl-tests
+convention), and occl/gloo for both. occl hands gloo CPU aliases of the device
 memory, so the target is occl within 1.1x of gloo: a hidden copy to the host and back would show
 at large sizes.
 """
@@ -31,16 +34,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time(x: torch.Tensor, iters: int) -> float:
+def _call(x: torch.Tensor) -> float:
+    """One all_reduce, timed until its result is there."""
     t0 = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(x)
-    if x.device.type == "openreg":
-        torch.openreg.synchronize()
-    return (time.perf_counter() - t0) / iters
+    dist.all_reduce(x)
+    return time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.openreg.set_device(rank % torch.openreg.device_count())
     dist.init_process_group("cpu:gloo,openreg:occl", rank=rank, world_size=world)
@@ -49,14 +50,17 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds
         n = max(1, nbytes // 4)
         xs = {"gloo": torch.ones(n), "occl": torch.ones(n, device="openreg")}
         for x in xs.values():  # warm up (connections, pages)
-            _time(x, 2)
+            _call(x)
+            _call(x)
         times = {"gloo": [], "occl": []}
-        for _ in range(rounds):
-            for name in ("occl", "gloo"):
-                cpu_group_sync = torch.zeros(1)
-                dist.all_reduce(cpu_group_sync)  # start both ranks together
-                times[name].append(_time(xs[name], iters))
-        results[nbytes] = {k: statistics.median(v) for k, v in times.items()}
+        calls = max(10, iters // 10) if nbytes >= 1 << 20 else iters
+        for i in range(calls):
+            # call by call, alternating, the order swapped every pair: both backends see the
+            # same machine load
+            for name in (("occl", "gloo") if i % 2 == 0 else ("gloo", "occl")):
+                times[name].append(_call(xs[name]))
+        results[nbytes] = {k: (statistics.median(v), sorted(v)[len(v) // 10]) for k, v in
+                           times.items()}
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -65,8 +69,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], iters: int, rounds
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--max-mb", type=int, default=64)
     args = parser.parse_args()
     sizes = []
@@ -77,21 +80,23 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = mp.start_processes(_rank, args=(args.ranks, port, sizes, args.iters, args.rounds, queue),
+    procs = mp.start_processes(_rank, args=(args.ranks, port, sizes, args.iters, queue),
                                nprocs=args.ranks, join=False, start_method="spawn")
     results = queue.get(timeout=1800)
     procs.join()
     bus = 2 * (args.ranks - 1) / args.ranks
-    print(f"all_reduce SUM float32, {args.ranks} ranks, median of {args.rounds} rounds x "
-          f"{args.iters} calls")
-    print(f"{'size':>8} {'gloo CPU us':>12} {'occl us':>10} {'gloo GB/s':>10} {'occl GB/s':>10}"
-          f" {'occl/gloo':>10}")
+    print(f"all_reduce SUM float32, {args.ranks} ranks, {args.iters} calls per size and backend "
+          f"({max(10, args.iters // 10)} from 1 MB), alternating call by call")
+    print(f"{'size':>8} {'gloo CPU us':>20} {'occl us':>20} {'gloo GB/s':>10} {'occl GB/s':>10}"
+          f" {'occl/gloo':>10} {'occl/gloo':>10}")
+    print(f"{'':>8} {'median / p10':>20} {'median / p10':>20} {'median':>10} {'median':>10}"
+          f" {'median':>10} {'p10':>10}")
     for nbytes, r in results.items():
         label = f"{nbytes // 1024} KB" if nbytes < 1 << 20 else f"{nbytes >> 20} MB"
-        g, o = r["gloo"], r["occl"]
-        print(f"{label:>8} {g * 1e6:>12.1f} {o * 1e6:>10.1f} {nbytes * bus / g / 1e9:>10.3f}"
-              f" {nbytes * bus / o / 1e9:>10.3f} {o / g:>10.2f}")
-
+        (gm, gb), (om, ob) = r["gloo"], r["occl"]
+        print(f"{label:>8} {f'{gm * 1e6:.1f} / {gb * 1e6:.1f}':>20} {f'{om * 1e6:.1f} / {ob * 1e6:.1f}':>20}"
+              f" {nbytes * bus / gm / 1e9:>10.3f} {nbytes * bus / om / 1e9:>10.3f}"
+              f" {om / gm:>10.2f} {ob / gb:>10.2f}")
 
 if __name__ == "__main__":
     main()

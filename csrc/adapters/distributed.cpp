@@ -44,91 +44,93 @@ class OcclWork : public Work {
   OcclWork(OpType type, c10::intrusive_ptr<Work> inner, TensorList outputs,
            std::vector<c10::Device> devices, std::function<void()> finish,
            std::shared_ptr<KernelScope> scope)
-      : Work(-1, type),
-        inner_(std::move(inner)),
-        outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()), std::move(devices))) {
+      : Work(-1, type), inner_(std::move(inner)), state_(std::make_shared<State>()) {
+    state_->outputs = std::move(outputs);
+    state_->finish = std::move(finish);
+    state_->scope = std::move(scope);
+    state_->future = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()), std::move(devices));
     c10::intrusive_ptr<c10::ivalue::Future> inner_future;
     try {
       inner_future = inner_->getFuture();
     } catch (const std::exception&) {
-      // gloo's send/recv works have no future: completion is seen by wait()
+      // gloo's send/recv works have no future: they complete in wait() or isCompleted()
     }
     if (inner_future) {
-      inner_future->addCallback(
-          [future = future_, outputs = outputs_, finish = std::move(finish),
-           scope = std::move(scope)](c10::ivalue::Future& done) mutable {
-            complete(done.hasError() ? done.exception_ptr() : nullptr, *future, outputs, finish);
-            scope.reset();
-          });
-    } else {
-      finish_ = std::move(finish);
-      scope_ = std::move(scope);
-      completes_at_wait_ = true;
+      inner_future->addCallback([state = state_](c10::ivalue::Future& done) {
+        state->complete(done.hasError() ? done.exception_ptr() : nullptr);
+      });
     }
   }
 
-  // Blocks the host until the collective has finished (gloo's wait, which raises its errors and
-  // timeouts): kernels issued afterwards on any stream see the result.
+  // Blocks the host until the collective has finished (gloo's wait, which raises gloo's errors
+  // and timeouts): kernels issued afterwards on any stream see the result. The completion step
+  // runs on whichever thread gets there first, this one or gloo's callback, so the host is not
+  // woken a second time for it.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
     bool ok = false;
     try {
       ok = inner_->wait(timeout);
     } catch (...) {
-      complete_here(std::current_exception());
+      state_->complete(std::current_exception());
       throw;
     }
-    complete_here(nullptr);
-    future_->waitAndThrow();
+    state_->complete(nullptr);
+    state_->future->waitAndThrow();
     return ok;
   }
   bool isCompleted() override {
-    if (completes_at_wait_ && inner_->isCompleted()) complete_here(inner_->exception());
-    return future_->completed();
+    if (!state_->future->completed() && inner_->isCompleted())
+      state_->complete(inner_->exception());
+    return state_->future->completed();
   }
-  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  bool isSuccess() const override {
+    return state_->future->completed() && !state_->future->hasError();
+  }
   std::exception_ptr exception() const override {
-    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+    auto& f = state_->future;
+    return f->completed() && f->hasError() ? f->exception_ptr() : nullptr;
   }
   int sourceRank() const override { return inner_->sourceRank(); }
-  TensorList result() override { return outputs_; }
+  TensorList result() override { return state_->outputs; }
   void synchronize() override {}
   void abort() override { inner_->abort(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return state_->future; }
   uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
 
  private:
-  static void complete(std::exception_ptr error, c10::ivalue::Future& future,
-                       const TensorList& outputs, const std::function<void()>& finish) {
-    if (!error && finish) {
-      try {
-        finish();
-      } catch (...) {
-        error = std::current_exception();
+  // Shared with gloo's completion callback.
+  struct State {
+    std::mutex mutex;
+    bool done = false;
+    TensorList outputs;
+    std::function<void()> finish;
+    std::shared_ptr<KernelScope> scope;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+
+    // Once: the completion step (e.g. AVG's division), then the future, then the host access.
+    void complete(std::exception_ptr error) {
+      std::lock_guard guard(mutex);
+      if (done) return;
+      done = true;
+      if (!error && finish) {
+        try {
+          finish();
+        } catch (...) {
+          error = std::current_exception();
+        }
       }
+      if (error) {
+        future->setError(error);
+      } else {
+        future->markCompleted(c10::IValue(outputs));
+      }
+      scope.reset();
     }
-    if (error) {
-      future.setError(error);
-    } else {
-      future.markCompleted(c10::IValue(outputs));
-    }
-  }
-  // Works without a gloo future (send, recv) complete when their wait returns.
-  void complete_here(std::exception_ptr error) {
-    if (!completes_at_wait_) return;
-    std::lock_guard guard(mutex_);
-    if (future_->completed()) return;
-    complete(error, *future_, outputs_, finish_);
-    scope_.reset();
-  }
+  };
 
   c10::intrusive_ptr<Work> inner_;
-  TensorList outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  bool completes_at_wait_ = false;
-  std::function<void()> finish_;
-  std::shared_ptr<KernelScope> scope_;
+  std::shared_ptr<State> state_;
 };
 // [docs:end OCCL_WORK]
 
