@@ -426,9 +426,22 @@ DROPOUT = {
     "alpha_dropout-p": lambda d: F.alpha_dropout(_t(5, d=d), 1.5),
 }
 
+ROUTES = {  # the operators of csrc/routes/ (mse_loss, abs, nonzero, fill_, zero_)
+    "mse_loss-shapes": lambda d: F.mse_loss(_t(3, d=d), _t(4, d=d)),
+    "mse_loss-reduction": lambda d: F.mse_loss(_t(3, d=d), _t(3, d=d), reduction="foo"),
+    "abs-bool": lambda d: torch.abs(torch.ones(3, device=d, dtype=torch.bool)),
+    "abs-out-dtype": lambda d: torch.abs(_t(3, d=d), out=torch.empty(3, device=d, dtype=torch.long)),
+    "abs_-complex": lambda d: torch.ones(3, dtype=torch.complex64, device=d).abs_(),
+    "nonzero-out-dtype": lambda d: torch.nonzero(_t(3, d=d), out=torch.empty(3, device=d)),
+    "fill_-value-dims": lambda d: _t(3, d=d).fill_(_t(2, d=d)),
+    "fill_-expanded-tensor-value": lambda d: _t(3, d=d).expand(2, 3).fill_(torch.tensor(2.0)),
+    "fill_-expanded-device-value": lambda d: _t(3, d=d).expand(2, 3).fill_(_t(d=d)),
+    "fill_-bool-overflow": lambda d: torch.ones(3, dtype=torch.int8, device=d).fill_(1000),
+}
+
 FAMILIES = {"factory": FACTORIES, "view": VIEWS, "set_resize": SET_AND_RESIZE, "copy": COPIES,
             "convolution": CONVOLUTION, "rnn": RNN_CELLS, "attention": ATTENTION,
-            "dropout": DROPOUT}
+            "dropout": DROPOUT, "routes": ROUTES}
 BAD_INPUTS = [pytest.param(call, id=f"{family}-{name}")
               for family, calls in FAMILIES.items() for name, call in calls.items()]
 
@@ -491,3 +504,17 @@ def test_quantized_tensors_are_refused_by_name(call):
             call()
     assert "aten::" in str(info.value)
 
+
+
+def test_out_argument_resized_before_the_cpu_kernel_fails_is_resized_on_the_device(device):
+    # Found by tools/fuzz.py: the CPU's cumsum resizes out= and then refuses bool; the device
+    # tensor must end up as the CPU's does, not keep its old shape over a resized alias.
+    outs = {}
+    for d in ("cpu", device):
+        out = torch.empty(0, 3, dtype=torch.bool, device=d)
+        with pytest.raises(NotImplementedError, match="not implemented for 'Bool'"):
+            torch.cumsum(torch.ones(3, 1, 5, dtype=torch.bool, device=d), 0, out=out)
+        outs[d] = out
+    assert outs[device].shape == outs["cpu"].shape == (3, 1, 5)
+    assert outs[device].stride() == outs["cpu"].stride()
+    assert outs[device].untyped_storage().nbytes() >= 15
