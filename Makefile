@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench fuzz install clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The differential fuzzer over a long range of seeds (the test suite runs seeds 0:400).
+FUZZ_SEEDS ?= 0:5000
+fuzz: install
+	$(PY) tools/fuzz.py --seeds $(FUZZ_SEEDS) --steps 40
 
 bench: install
 	$(PY) benchmarks/run.py

@@ -89,10 +89,9 @@ def test_unsupported_dtypes_raise_like_the_cpu(dtype):
     x = torch.zeros(3, dtype=dtype)
     with pytest.raises(NotImplementedError) as cpu:
         torch.abs(x)
-    with pytest.raises(NotImplementedError, match="abs_openreg.*not implemented for") as dev:
+    with pytest.raises(NotImplementedError) as dev:
         torch.abs(x.to("openreg"))
-    assert str(cpu.value).split("not implemented for")[1] == str(dev.value).split(
-        "not implemented for")[1]
+    assert str(dev.value) == str(cpu.value)  # '"abs_cpu" not implemented for 'Bool'', as on the CPU
 
 
 def test_in_place_complex_raises_like_the_cpu():

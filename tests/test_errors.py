@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 SAME_DEVICE = "Expected all tensors to be on the same device"
 
@@ -264,3 +267,255 @@ print('alive')
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[-1] == "alive"
     assert len(r.stdout.split()) == 13  # every call raised
+
+
+# ---- the operators openreg implements itself: every bad input refused as on the CPU ----
+# Each entry runs on the CPU and on openreg; both must raise the same type and message. `o(d)` is
+# the device of the other side of a copy: the CPU for both when d is the CPU.
+
+def _t(*shape, d, **kw):
+    return torch.randn(*shape, device=d, **kw)
+
+
+def _other(d, kind):
+    """The other side of a copy: 'same' device, 'cpu', 'pinned' host memory, 'peer' device."""
+    if d == "cpu":
+        return "cpu"
+    return {"same": d, "cpu": "cpu", "pinned": "cpu", "peer": "openreg:1"}[kind]
+
+
+def _src(shape, d, kind):
+    t = torch.ones(*shape, device=_other(d, kind))
+    return t.pin_memory() if kind == "pinned" and d != "cpu" else t
+
+
+FACTORIES = {
+    "empty-negative": lambda d: torch.empty(2, -3, device=d),
+    "empty_strided-negative": lambda d: torch.empty_strided((2, -3), (1, 1), device=d),
+    "empty_strided-lengths": lambda d: torch.empty_strided((2, 3), (1,), device=d),
+    "empty_strided-overflow": lambda d: torch.empty_strided((2, 3), (1, -1), device=d),
+    "empty-preserve_format": lambda d: torch.empty(2, 3, device=d,
+                                                   memory_format=torch.preserve_format),
+    "empty-channels_last-2d": lambda d: torch.empty(2, 3, device=d,
+                                                    memory_format=torch.channels_last),
+}
+
+VIEWS = {
+    "as_strided-size": lambda d: _t(6, d=d).as_strided((-1,), (1,)),
+    "as_strided-stride": lambda d: _t(6, d=d).as_strided((2,), (-1,)),
+    "as_strided-lengths": lambda d: _t(6, d=d).as_strided((2, 3), (1,)),
+    "as_strided-bounds": lambda d: _t(6, d=d).as_strided((2, 3), (3, 1), 1),
+    "as_strided-offset": lambda d: _t(3, d=d).as_strided((2,), (1,), -1),
+    "view-size": lambda d: _t(3, d=d).view(2, 2),
+    "view-negative": lambda d: _t(6, d=d).view(-2, 3),
+    "view-two-inferred": lambda d: _t(6, d=d).view(-1, -1),
+    "view-strides": lambda d: _t(2, 3, d=d).t().view(6),
+    "view-dtype-size": lambda d: _t(5, d=d).view(torch.float64),
+    "view-dtype-strides": lambda d: _t(4, 4, d=d).t().view(torch.float64),
+    "unfold-size": lambda d: _t(6, d=d).unfold(0, 8, 1),
+    "unfold-step": lambda d: _t(6, d=d).unfold(0, 2, 0),
+    "expand": lambda d: _t(2, 3, d=d).expand(3, 3),
+    "transpose-dim": lambda d: _t(2, 3, d=d).transpose(0, 3),
+    "diagonal-dims": lambda d: _t(2, 3, d=d).diagonal(0, 0, 0),
+    "select-index": lambda d: _t(2, 3, d=d).select(0, 5),
+    "slice-negative-step": lambda d: _t(6, d=d)[::-1],
+    "view_as_complex": lambda d: torch.view_as_complex(_t(6, d=d)),
+    "view_as_real": lambda d: torch.view_as_real(_t(6, d=d)),
+    "narrow_copy-dim": lambda d: _t(3, d=d).narrow_copy(-2, 0, 1),
+    "narrow_copy-length": lambda d: _t(3, d=d).narrow_copy(0, 2, 5),
+}
+
+SET_AND_RESIZE = {
+    "set_-offset": lambda d: _t(3, d=d).set_(_t(3, d=d).untyped_storage(), -1, (2,), (1,)),
+    "set_-stride-overflow": lambda d: _t(3, d=d).set_(_t(3, d=d).untyped_storage(), 0, (2,), (-1,)),
+    "set_-lengths": lambda d: _t(3, d=d).set_(_t(3, d=d).untyped_storage(), 0, (2, 2), (1,)),
+    "set_-dtype": lambda d: _t(3, d=d).set_(torch.ones(3, device=d, dtype=torch.float64)),
+    "set_-requires-grad": lambda d: _t(3, d=d, requires_grad=True).set_(_t(3, d=d)),
+    "resize_-negative": lambda d: _t(3, d=d).resize_(-2),
+    "resize_-overflow": lambda d: _t(3, d=d).resize_(-1),
+    "resize_-preserve_format": lambda d: _t(3, d=d).resize_(2, 3, 4, 5,
+                                                            memory_format=torch.preserve_format),
+    "resize_-channels_last-2d": lambda d: _t(3, d=d).resize_(2, 3,
+                                                             memory_format=torch.channels_last),
+    "resize_-requires-grad": lambda d: _t(3, d=d, requires_grad=True).resize_(5),
+    "item-numel": lambda d: _t(2, d=d).item(),
+    "item-empty": lambda d: _t(0, d=d).item(),
+}
+
+COPIES = {}
+for _kind in ["same", "cpu", "pinned", "peer"]:
+    for _nb in [False, True]:
+        _name = f"{_kind}{'-non_blocking' if _nb else ''}"
+        COPIES.update({
+            # openreg destination
+            f"to-empty-from-{_name}": lambda d, k=_kind, nb=_nb: torch.empty(0, device=d).copy_(
+                _src((5,), d, k), non_blocking=nb),
+            f"to-empty-2d-from-{_name}": lambda d, k=_kind, nb=_nb: torch.empty(
+                0, 3, device=d).copy_(_src((2, 3), d, k), non_blocking=nb),
+            f"to-smaller-from-{_name}": lambda d, k=_kind, nb=_nb: torch.empty(3, device=d).copy_(
+                _src((2, 3), d, k), non_blocking=nb),
+            f"to-0dim-from-{_name}": lambda d, k=_kind, nb=_nb: torch.empty((), device=d).copy_(
+                _src((2,), d, k), non_blocking=nb),
+            f"to-expanded-from-{_name}": lambda d, k=_kind, nb=_nb: torch.empty(
+                3, device=d).expand(2, 3).copy_(_src((2, 3), d, k), non_blocking=nb),
+            # openreg source
+            f"from-empty-to-{_name}": lambda d, k=_kind, nb=_nb: _src((0,), d, k).copy_(
+                torch.ones(5, device=d), non_blocking=nb),
+            f"from-larger-to-{_name}": lambda d, k=_kind, nb=_nb: _src((3,), d, k).copy_(
+                torch.ones(2, 3, device=d), non_blocking=nb),
+        })
+COPIES.update({
+    "overlapping-views": lambda d: (lambda x: x[1:].copy_(x[:-1]))(_t(4, d=d)),
+    "from-meta": lambda d: _t(4, d=d).copy_(torch.empty(4, device="meta")),
+})
+
+CONVOLUTION = {
+    "channels": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 2, 3, 3, d=d)),
+    "input-dims": lambda d: F.conv2d(_t(3, 5, d=d), _t(4, 3, 3, 3, d=d)),
+    "kernel-too-large": lambda d: F.conv2d(_t(1, 3, 2, 2, d=d), _t(4, 3, 3, 3, d=d)),
+    "stride-0": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d), stride=0),
+    "negative-padding": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d), padding=-1),
+    "groups": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d), groups=2),
+    "bias-size": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d), bias=_t(3, d=d)),
+    "dtypes": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d, dtype=torch.float64)),
+    "dilation-0": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d), dilation=0),
+    "transposed-groups": lambda d: F.conv_transpose2d(_t(1, 3, 5, 5, d=d), _t(3, 4, 3, 3, d=d),
+                                                      groups=2),
+    "transposed-output_padding": lambda d: F.conv_transpose2d(
+        _t(1, 3, 5, 5, d=d), _t(3, 4, 3, 3, d=d), output_padding=2),
+    "weight-dims": lambda d: F.conv3d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, 3, d=d)),
+    "same-padding-strided": lambda d: F.conv2d(_t(1, 3, 5, 5, d=d), _t(4, 3, 3, 3, d=d),
+                                               padding="same", stride=2),
+}
+
+RNN_CELLS = {
+    "lstm-input-size": lambda d: torch.nn.LSTMCell(3, 4).to(d)(_t(2, 5, d=d)),
+    "lstm-hidden-batch": lambda d: torch.nn.LSTMCell(3, 4).to(d)(
+        _t(2, 3, d=d), (_t(3, 4, d=d), _t(3, 4, d=d))),
+    "gru-hidden-size": lambda d: torch.nn.GRUCell(3, 4).to(d)(_t(2, 3, d=d), _t(2, 5, d=d)),
+    "rnn-input-size": lambda d: torch.nn.RNNCell(3, 4).to(d)(_t(2, 5, d=d)),
+    "lstm-sequence-size": lambda d: torch.nn.LSTM(3, 4).to(d)(_t(5, 2, 4, d=d)),
+    "gru-sequence-dims": lambda d: torch.nn.GRU(3, 4).to(d)(_t(5, 2, 3, 1, d=d)),
+}
+
+ATTENTION = {
+    "head-dims": lambda d: F.scaled_dot_product_attention(_t(2, 4, 5, 8, d=d), _t(2, 4, 6, 7, d=d),
+                                                          _t(2, 4, 6, 8, d=d)),
+    "dtypes": lambda d: F.scaled_dot_product_attention(
+        _t(2, 4, 5, 8, d=d), _t(2, 4, 6, 8, d=d, dtype=torch.float64), _t(2, 4, 6, 8, d=d)),
+    "mask-dtype": lambda d: F.scaled_dot_product_attention(
+        _t(2, 4, 5, 8, d=d), _t(2, 4, 6, 8, d=d), _t(2, 4, 6, 8, d=d),
+        attn_mask=torch.ones(5, 6, dtype=torch.int64, device=d)),
+    "1-d": lambda d: F.scaled_dot_product_attention(_t(8, d=d), _t(8, d=d), _t(8, d=d)),
+    "dropout_p": lambda d: F.scaled_dot_product_attention(
+        _t(2, 4, 5, 8, d=d), _t(2, 4, 6, 8, d=d), _t(2, 4, 6, 8, d=d), dropout_p=1.5),
+    "heads-without-gqa": lambda d: F.scaled_dot_product_attention(
+        _t(2, 4, 5, 8, d=d), _t(2, 3, 6, 8, d=d), _t(2, 3, 6, 8, d=d)),
+    "heads-gqa": lambda d: F.scaled_dot_product_attention(
+        _t(2, 4, 5, 8, d=d), _t(2, 3, 6, 8, d=d), _t(2, 3, 6, 8, d=d), enable_gqa=True),
+    "integer": lambda d: F.scaled_dot_product_attention(*(torch.ones(
+        2, 4, 5, 8, device=d, dtype=torch.long) for _ in range(3))),
+    "multihead-kdim": lambda d: torch.nn.MultiheadAttention(8, 2).to(d)(
+        _t(5, 2, 8, d=d), _t(6, 2, 7, d=d), _t(6, 2, 8, d=d)),
+}
+
+DROPOUT = {
+    "p": lambda d: F.dropout(_t(5, d=d), p=1.5),
+    "p-negative": lambda d: F.dropout(_t(5, d=d), p=-0.1),
+    "native_dropout-p": lambda d: torch.native_dropout(_t(5, d=d), 1.5, True),
+    "dropout2d-p": lambda d: F.dropout2d(_t(2, 3, 4, d=d), 1.5),
+    "alpha_dropout-p": lambda d: F.alpha_dropout(_t(5, d=d), 1.5),
+}
+
+ROUTES = {  # the operators of csrc/routes/ (mse_loss, abs, nonzero, fill_, zero_)
+    "mse_loss-shapes": lambda d: F.mse_loss(_t(3, d=d), _t(4, d=d)),
+    "mse_loss-reduction": lambda d: F.mse_loss(_t(3, d=d), _t(3, d=d), reduction="foo"),
+    "abs-bool": lambda d: torch.abs(torch.ones(3, device=d, dtype=torch.bool)),
+    "abs-out-dtype": lambda d: torch.abs(_t(3, d=d), out=torch.empty(3, device=d, dtype=torch.long)),
+    "abs_-complex": lambda d: torch.ones(3, dtype=torch.complex64, device=d).abs_(),
+    "nonzero-out-dtype": lambda d: torch.nonzero(_t(3, d=d), out=torch.empty(3, device=d)),
+    "fill_-value-dims": lambda d: _t(3, d=d).fill_(_t(2, d=d)),
+    "fill_-expanded-tensor-value": lambda d: _t(3, d=d).expand(2, 3).fill_(torch.tensor(2.0)),
+    "fill_-expanded-device-value": lambda d: _t(3, d=d).expand(2, 3).fill_(_t(d=d)),
+    "fill_-bool-overflow": lambda d: torch.ones(3, dtype=torch.int8, device=d).fill_(1000),
+}
+
+FAMILIES = {"factory": FACTORIES, "view": VIEWS, "set_resize": SET_AND_RESIZE, "copy": COPIES,
+            "convolution": CONVOLUTION, "rnn": RNN_CELLS, "attention": ATTENTION,
+            "dropout": DROPOUT, "routes": ROUTES}
+BAD_INPUTS = [pytest.param(call, id=f"{family}-{name}")
+              for family, calls in FAMILIES.items() for name, call in calls.items()]
+
+
+@pytest.mark.parametrize("call", BAD_INPUTS)
+def test_native_operators_refuse_what_the_cpu_refuses(call):
+    assert_same_error(call, "openreg:0")
+
+
+def test_set_storage_of_another_device_is_refused_like_on_cuda():
+    x = torch.ones(3, device="openreg:0")
+    for other in [torch.ones(3), torch.ones(3, device="openreg:1")]:
+        with pytest.raises(RuntimeError, match="^Attempted to set the storage of a tensor on device "
+                           f"\"openreg:0\" to a storage on different device \"{other.device}\""):
+            x.set_(other.untyped_storage(), 0, (3,), (1,))
+    assert x.untyped_storage().device == torch.device("openreg:0")
+
+
+def test_native_dropout_matches_the_cpu_kernel():
+    for d in ["cpu", "openreg"]:
+        e = torch.randn(0, device=d)
+        out, mask = torch.native_dropout(e, 0.5, True)
+        assert out is e and mask.dtype == torch.float32  # the CPU returns an empty input itself
+        x = torch.randn(2, 3, 4, 5, device=d).to(memory_format=torch.channels_last)
+        out, mask = torch.native_dropout(x, 0.5, True)
+        assert mask.dtype == torch.bool and mask.stride() == x.stride() == out.stride()
+
+
+def test_deterministic_mode_fills_new_memory_like_the_cpu(device):
+    torch.use_deterministic_algorithms(True)
+    try:
+        for make in [lambda d: torch.empty(3, device=d),
+                     lambda d: torch.empty(3, dtype=torch.int32, device=d),
+                     lambda d: torch.empty_strided((2, 2), (1, 2), device=d),
+                     lambda d: torch.empty(2, device=d).resize_(5)]:
+            torch.testing.assert_close(make(device).cpu(), make("cpu"), equal_nan=True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+# ---- no half-made tensors: quantized dtypes refused at the first quantized operator ----
+
+@pytest.mark.parametrize("call", [
+    lambda: torch.quantize_per_tensor(torch.ones(3, device="openreg"), 0.05, 3, torch.quint8),
+    lambda: torch.quantize_per_channel(torch.ones(2, 3, device="openreg"),
+                                       torch.ones(2, device="openreg"),
+                                       torch.zeros(2, dtype=torch.long, device="openreg"), 0,
+                                       torch.qint8),
+    lambda: torch.empty(2, dtype=torch.qint32, device="openreg"),
+    lambda: torch.ones(2, device="openreg").to(torch.quint8),
+    lambda: torch.quantize_per_tensor(torch.ones(3), 0.05, 3, torch.quint8).to("openreg"),
+], ids=["quantize_per_tensor", "quantize_per_channel", "empty-qint32", "to-quint8",
+        "cpu-quantized-to-openreg"])
+def test_quantized_tensors_are_refused_by_name(call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU's deprecation warning of quantized tensors
+        with pytest.raises(NotImplementedError,
+                           match="openreg does not support quantized tensors.*(QUInt8|QInt8|"
+                                 "quantized dtype)") as info:
+            call()
+    assert "aten::" in str(info.value)
+
+
+
+def test_out_argument_resized_before_the_cpu_kernel_fails_is_resized_on_the_device(device):
+    # Found by tools/fuzz.py: the CPU's cumsum resizes out= and then refuses bool; the device
+    # tensor must end up as the CPU's does, not keep its old shape over a resized alias.
+    outs = {}
+    for d in ("cpu", device):
+        out = torch.empty(0, 3, dtype=torch.bool, device=d)
+        with pytest.raises(NotImplementedError, match="not implemented for 'Bool'"):
+            torch.cumsum(torch.ones(3, 1, 5, dtype=torch.bool, device=d), 0, out=out)
+        outs[d] = out
+    assert outs[device].shape == outs["cpu"].shape == (3, 1, 5)
+    assert outs[device].stride() == outs["cpu"].stride()
+    assert outs[device].untyped_storage().nbytes() >= 15

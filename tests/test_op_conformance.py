@@ -2,8 +2,11 @@
 openreg exactly like on the CPU or is listed below with the reason it does not.
 
 How it works (docs/fallback.md, "Conformance"):
-- Entries are op/dtype pairs: each OpInfo with each of float32, int64 and bool that it supports on
-  the CPU. Entries alternate between openreg:0 and openreg:1.
+- Entries are op/dtype pairs: each OpInfo with every dtype it supports on the CPU (float32, int64
+  and bool get every check below; the other dtypes EXTRA_SAMPLES sample of the function variant).
+  Per op also "op:errors" (op.error_inputs: the documented exception type, with the CPU's exact
+  message) and "op:grad" (float64 gradients of the first sample equal the CPU's). Entries
+  alternate between openreg:0 and openreg:1.
 - Samples are generated for the openreg device, as PyTorch's device tests do, and the CPU
   reference gets the same values moved to the CPU (tensors the sample function put on the CPU on
   purpose stay there; `device=` arguments follow). The CPU runs first: samples it rejects are
@@ -41,7 +44,11 @@ import traceback
 import pytest
 import torch
 
+# The main dtypes get MAX_SAMPLES samples and every variant; every other dtype the OpInfo supports
+# on the CPU gets EXTRA_SAMPLES samples of the function variant (to stay within the time budget).
 DTYPES = (torch.float32, torch.int64, torch.bool)
+EXTRA_SAMPLES = 1
+MAX_ERROR_INPUTS = 6
 MAX_SAMPLES = 3
 MAX_NUMEL = 20_000
 REQUIRED_PASS_RATE = 0.95
@@ -181,12 +188,15 @@ def first_line(e):
     return f"{type(e).__name__}: {msg[0] if msg else ''}"
 
 
-def check_entry(op, dtype, device):
-    """('pass' | 'fail' | 'cpu-only', detail, number of comparisons)."""
+def check_entry(op, dtype, device, full=True):
+    """('pass' | 'fail' | 'cpu-only', detail, number of comparisons). Not `full`: EXTRA_SAMPLES
+    samples, the function variant only."""
+    max_samples = MAX_SAMPLES if full else EXTRA_SAMPLES
+
     def samples_for(dev):
         torch.manual_seed(0)
-        return [s for s in itertools.islice(op.sample_inputs(dev, dtype), 4 * MAX_SAMPLES)
-                if small(s)][:MAX_SAMPLES]
+        return [s for s in itertools.islice(op.sample_inputs(dev, dtype), 4 * max_samples)
+                if small(s)][:max_samples]
     # Samples are generated for the device (as PyTorch's device tests do) and the CPU reference
     # gets the same values moved to the CPU.
     try:
@@ -197,7 +207,7 @@ def check_entry(op, dtype, device):
         except Exception:
             return "cpu-only", "no samples on the CPU either", 0
         return "fail", f"sample generation on {device}: {first_line(e)}", 0
-    if samples:
+    if samples and full:
         # The first sample once more with non-contiguous tensors (strided CPU aliases).
         try:
             samples.append(samples[0].noncontiguous())
@@ -208,7 +218,7 @@ def check_entry(op, dtype, device):
         cpu_sample = SampleInputLike(to_cpu(sample.input), to_cpu(sample.args),
                                      to_cpu(sample.kwargs))
         variants = [("function", op.op, {})]
-        if i == 0 and op.inplace_variant is not None:
+        if full and i == 0 and op.inplace_variant is not None:
             variants.append(("in-place", op.inplace_variant, {"inplace": True}))
         for label, fn, kw in variants:
             torch.manual_seed(0)
@@ -220,7 +230,7 @@ def check_entry(op, dtype, device):
             values = op.name not in UNSPECIFIED_VALUES and not random_op(op) and torch.equal(
                 state, torch.get_rng_state())
             todo = [(label, kw, expected, cpu_inputs)]
-            if i == 0 and label == "function" and op.supports_out:
+            if full and i == 0 and label == "function" and op.supports_out:
                 out = empty_outs_like(expected)
                 if out is not None:
                     try:
@@ -243,6 +253,93 @@ def check_entry(op, dtype, device):
     if compared == 0:
         return "cpu-only", "no sample runs on the CPU", 0
     return "pass", "", compared
+
+
+def check_error_inputs(op, device):
+    """op.error_inputs(device): each must raise on openreg the documented type, with the CPU's
+    exact message (which matches the documented regex where the CPU's does)."""
+    import re
+    try:
+        torch.manual_seed(0)
+        errors = list(itertools.islice(op.error_inputs(device), MAX_ERROR_INPUTS))
+    except Exception as e:
+        return "fail", f"error_inputs on {device}: {first_line(e)}", 0
+    compared = 0
+    for ei in errors:
+        sample = ei.sample_input
+        cpu_sample = SampleInputLike(to_cpu(sample.input), to_cpu(sample.args),
+                                     to_cpu(sample.kwargs))
+        try:
+            op(cpu_sample.input, *cpu_sample.args, **cpu_sample.kwargs)
+            continue  # the CPU accepts it (a CUDA-only error input): not counted
+        except Exception as e:
+            cpu_error = e
+        if not isinstance(cpu_error, ei.error_type):
+            continue  # documented for another device
+        # A message naming devices differs by design (the error input mixes devices).
+        names_devices = re.search(r"\b(cpu|meta|cuda|openreg)\b", str(cpu_error)) is not None
+        try:
+            op(sample.input, *sample.args, **sample.kwargs)
+        except Exception as e:
+            if type(e) is not type(cpu_error) or (str(e) != str(cpu_error) and not names_devices):
+                return "fail", (f"error input on {device}: {first_line(e)}; the CPU raises "
+                                f"{first_line(cpu_error)}"), compared
+            if re.search(ei.error_regex, str(cpu_error)) and not re.search(ei.error_regex, str(e)):
+                return "fail", f"error input on {device}: message does not match {ei.error_regex!r}", compared
+            compared += 1
+            continue
+        return "fail", (f"error input on {device}: accepted; the CPU raises "
+                        f"{first_line(cpu_error)}"), compared
+    if compared == 0:
+        return "cpu-only", "no error input fails on the CPU", 0
+    return "pass", "", compared
+
+
+def check_gradients(op, device):
+    """float64 gradients of the first sample (sum of the floating results) equal the CPU's."""
+    dtype = torch.float64
+    torch.manual_seed(0)
+    samples = [s for s in itertools.islice(op.sample_inputs(device, dtype, requires_grad=True), 8)
+               if small(s)][:1]
+    for sample in samples:
+        cpu_sample = SampleInputLike(*(tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            x) for x in (to_cpu(sample.input), to_cpu(sample.args), to_cpu(sample.kwargs))))
+        # to_cpu detaches: mark the CPU copies of the tensors that require grad on the device.
+        dev_leaves = [t for t in tensors_of([sample.input, list(sample.args), sample.kwargs])
+                      if t.requires_grad]
+        cpu_all = tensors_of([cpu_sample.input, list(cpu_sample.args), cpu_sample.kwargs])
+        dev_all = tensors_of([sample.input, list(sample.args), sample.kwargs])
+        cpu_leaves = [c.requires_grad_() for c, d in zip(cpu_all, dev_all) if d.requires_grad]
+        if not dev_leaves:
+            return "cpu-only", "no input requires grad", 0
+
+        def grads(s, leaves):
+            torch.manual_seed(0)
+            out = [t for t in tensors_of(op(s.input, *s.args, **s.kwargs))
+                   if t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex)]
+            if not out:
+                return None
+            total = sum((t.abs() if t.is_complex() else t).sum() for t in out)
+            return torch.autograd.grad(total, leaves, allow_unused=True)
+        try:
+            expected = grads(cpu_sample, cpu_leaves)
+        except Exception:
+            return "cpu-only", "the CPU's backward fails", 0
+        if expected is None:
+            return "cpu-only", "no differentiable result", 0
+        try:
+            actual = grads(sample, dev_leaves)
+            assert actual is not None, "no differentiable result on openreg"
+            for a, e in zip(actual, expected):
+                assert (a is None) == (e is None), "a gradient is missing on one side"
+                if a is not None:
+                    assert a.device == torch.device(device), f"gradient on {a.device}"
+                    torch.testing.assert_close(a.cpu(), e, equal_nan=True)
+        except Exception as e:
+            return "fail", f"float64 gradient on {device}: {first_line(e)}", 0
+        return "pass", "", 1
+    return "cpu-only", "no sample", 0
 
 
 def asks_for_cpu(sample):
@@ -277,10 +374,17 @@ def run_all(progress_path=None, names=None):
     start = time.perf_counter()
     n = 0
     for op in op_db:
-        for dtype in DTYPES:
-            if dtype not in op.supported_dtypes("cpu"):
+        entries = [(dtype, "values") for dtype in sorted(op.supported_dtypes("cpu"), key=str)]
+        entries += [(None, "errors"), (torch.float64, "grad")]
+        for dtype, kind in entries:
+            if kind == "errors" and op.error_inputs_func is None:
                 continue
-            name = entry_name(op, dtype)
+            if kind == "grad" and (not op.supports_autograd or random_op(op) or
+                                   torch.float64 not in op.supported_dtypes("cpu") or
+                                   op.name in UNSPECIFIED_VALUES):
+                continue
+            name = (entry_name(op, dtype) if kind == "values" else
+                    entry_name(op, torch.float32).rsplit(":", 1)[0] + f":{kind}")
             if names is not None and name not in names:
                 continue
             device = f"openreg:{n % 2}"  # entries alternate between the two devices
@@ -290,7 +394,12 @@ def run_all(progress_path=None, names=None):
                     f.write(name)
             t0 = time.perf_counter()
             try:
-                status, detail, count = check_entry(op, dtype, device)
+                if kind == "errors":
+                    status, detail, count = check_error_inputs(op, device)
+                elif kind == "grad":
+                    status, detail, count = check_gradients(op, device)
+                else:
+                    status, detail, count = check_entry(op, dtype, device, full=dtype in DTYPES)
             except Exception as e:
                 status, detail, count = "fail", f"harness: {first_line(e)}", 0
             results[name] = {"status": status, "detail": detail, "samples": count,
@@ -419,6 +528,59 @@ def test_random_ops_are_compared_by_structure():
     wrong_shape = FakeOp(lambda x: torch.rand_like(x[1:] if on_device(x) else x))
     status, detail, _ = check_entry(wrong_shape, torch.float32, "openreg:0")
     assert status == "fail" and "result torch.Size([5])" in detail
+
+
+class FakeErrorInput:
+    def __init__(self, sample, error_type, error_regex):
+        self.sample_input, self.error_type, self.error_regex = sample, error_type, error_regex
+
+
+def test_error_inputs_must_raise_the_cpus_type_and_message():
+    def op_raising(message_on_device, type_on_device=RuntimeError):
+        def fn(x):
+            if on_device(x):
+                if message_on_device is not None:
+                    raise type_on_device(message_on_device)
+                return x
+            raise RuntimeError("bad input")
+        op = FakeOp(fn)
+        op.error_inputs = lambda dev: [FakeErrorInput(
+            SampleInputLike(torch.ones(2, device=dev), (), {}), RuntimeError, "bad")]
+        op.__call__ = fn
+        return op
+    for message, kind, expected in [("bad input", RuntimeError, "pass"),
+                                    ("bad input (on openreg)", RuntimeError, "fail"),
+                                    ("bad input", ValueError, "fail"),
+                                    (None, RuntimeError, "fail")]:
+        op = op_raising(message, kind)
+        status, detail, _ = check_error_inputs(_Callable(op), "openreg:0")
+        assert status == expected, (message, kind, detail)
+
+
+class _Callable:
+    """FakeOp made callable like an OpInfo (op(...) calls op.op)."""
+    def __init__(self, op):
+        self._op = op
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._op.op(*args, **kwargs)
+
+
+def test_wrong_gradients_are_detected():
+    class GradOp(FakeOp):
+        def sample_inputs(self, device, dtype, requires_grad=False):
+            return [SampleInputLike(torch.arange(1.0, 4.0, dtype=dtype, device=device)
+                                    .requires_grad_(requires_grad), (), {})]
+    good = _Callable(GradOp(lambda x: x.sin()))
+    assert check_gradients(good, "openreg:1")[0] == "pass"
+    # Right values, wrong gradient on the device only.
+    wrong = _Callable(GradOp(lambda x: x.sin() if not on_device(x) else
+                             x.detach().sin() + (x - x.detach()) * 2))
+    status, detail, _ = check_gradients(wrong, "openreg:1")
+    assert status == "fail" and "gradient" in detail
 
 
 def test_ops_the_cpu_rejects_are_not_counted():

@@ -246,6 +246,44 @@ def test_efficient_zero_tensor(device):
         z.add_(1)
 
 
+def test_efficient_zero_tensor_has_the_cpus_storage_size(device):
+    for dtype in (torch.float32, torch.float64, torch.int8):
+        cpu = torch._efficientzerotensor((2, 3), dtype=dtype)
+        dev = torch._efficientzerotensor((2, 3), dtype=dtype, device=device)
+        assert dev.untyped_storage().nbytes() == cpu.untyped_storage().nbytes() == 6 * cpu.itemsize
+    # Batched gradients view zero tensors with as_strided: checked against that size.
+    z = torch._efficientzerotensor((2, 3), device=device)
+    v = z.as_strided((4, 2, 3), (0, 3, 1))
+    assert v._is_zerotensor() and v.shape == (4, 2, 3)
+    assert_close(v.cpu(), torch.zeros(4, 2, 3))
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 24"):
+        z.as_strided((4, 2, 3), (1, 3, 1))
+
+
+def test_gradgradcheck_with_batched_grad_through_zero_tensors(device):
+    x = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    t = torch.randn(3, 4, dtype=torch.float64, device=device)
+    assert torch.autograd.gradgradcheck(torch.nn.functional.l1_loss, (x, t),
+                                        check_batched_grad=True)
+
+
+def test_group_norm_channels_last_gradient_keeps_the_cpus_layout(device):
+    torch.manual_seed(0)
+    gn = torch.nn.GroupNorm(2, 4)
+    x = torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    results = []
+    for d in ("cpu", device):
+        xd = x.detach().to(d).requires_grad_()
+        y = gn.to(d)(xd)
+        y.square().sum().backward()
+        results.append((y, xd.grad, gn.weight.grad.clone()))
+        gn.zero_grad()
+    (y, gx, gw), (yd, gxd, gwd) = results
+    assert yd.stride() == y.stride() and gxd.stride() == gx.stride() == x.stride()
+    assert_close(gxd.cpu(), gx)
+    assert_close(gwd.cpu(), gw)
+
+
 def test_conj_bit_of_results_and_out_arguments(device):
     z = torch.randn(4, dtype=torch.complex64)
     d = z.to(device)
@@ -299,7 +337,8 @@ def test_set_and_resize_act_on_the_real_tensor(device):
     s = torch.ones(4, device=device).untyped_storage()
     s.resize_(32)
     assert s.nbytes() == 32 and s.device == torch.device(device)
-    with pytest.raises(RuntimeError, match="set_"):
+    with pytest.raises(RuntimeError, match="Attempted to set the storage of a tensor on device "
+                       ".* to a storage on different device"):
         b.set_(torch.ones(3, device=OTHER[device]).untyped_storage())
 
 

@@ -167,6 +167,28 @@ void check_strided_result(const at::Tensor& t, const c10::OperatorHandle& op) {
 }
 // [docs:end STRIDED_RESULTS]
 
+// [docs:start QUANTIZED_REFUSED]
+// Quantized tensors (deprecated in torch 2.13) are not supported: the CPU kernel of
+// quantize_per_tensor would hand back a tensor whose dtype says quint8 but which is not quantized.
+// Such results are refused naming the operator and the dtype, and so is every operator reaching
+// openreg's quantized key (a quantized dtype asked of a factory, `.to(torch.quint8)`, ...).
+constexpr const char* kQuantizedHint =
+    " (quantized tensors are deprecated in torch 2.13; keep quantized work on the CPU)";
+
+void check_representable_dtype(const at::Tensor& t, const c10::OperatorHandle& op) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!c10::isQIntType(t.scalar_type()),
+                              "openreg does not support quantized tensors, but ",
+                              op.schema().operator_name(), " returns a tensor of dtype ",
+                              t.scalar_type(), kQuantizedHint);
+}
+
+void refuse_quantized(const c10::OperatorHandle& op, c10::Stack*) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "openreg does not support quantized tensors (",
+                              op.schema().operator_name(), " was called with a quantized dtype or "
+                              "a quantized tensor)", kQuantizedHint);
+}
+// [docs:end QUANTIZED_REFUSED]
+
 void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const Summary& s = summary(op);
   const size_t num_args = s.kinds.size();
@@ -246,6 +268,18 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
     }
   }
 
+  // Arguments written in place (including out= arguments a kernel resized) keep their device
+  // tensor; carry over any change of size or memory. Also when the kernel fails: the CPU's
+  // kernels may resize an out= argument before they refuse its dtype, and the device tensor
+  // must be left as the CPU's would be.
+  auto sync_written = [&] {
+    for (const c10::IValue& v : written) {
+      if (v.isTensor()) kernel.sync_written(v.toTensor());
+      else if (v.isTensorList())
+        for (const at::Tensor& t : v.toTensorList()) kernel.sync_written(t);
+    }
+  };
+
   // [docs:start ERROR_CONTEXT]
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -256,23 +290,18 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
                                   "' is not implemented for the openreg device: it has no "
                                   "openreg kernel and no CPU kernel for the fallback to run.");
     }
+    sync_written();
     add_context(e, op, device);
     throw;
   } catch (c10::Error& e) {
     // The CPU kernel's own error: `throw;` keeps the exception's type (IndexError, ValueError,
     // TypeError, ...) and message; the context is added only if OPENREG_ERROR_CONTEXT=1.
+    sync_written();
     add_context(e, op, device);
     throw;
   }
   // [docs:end ERROR_CONTEXT]
-
-  // Arguments written in place (including out= arguments a kernel resized) keep their device
-  // tensor; carry over any change of size or memory.
-  for (const c10::IValue& v : written) {
-    if (v.isTensor()) kernel.sync_written(v.toTensor());
-    else if (v.isTensorList())
-      for (const at::Tensor& t : v.toTensorList()) kernel.sync_written(t);
-  }
+  sync_written();
 
   // Returns: CPU tensors back to device tensors.
   const size_t num_returns = op.schema().returns().size();
@@ -282,6 +311,7 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       const at::Tensor& t = v.toTensor();
       if (t.defined() && t.is_cpu()) {
         check_strided_result(t, op);
+        check_representable_dtype(t, op);
         v = kernel.result(t);
       }
     } else if (v.isTensorList()) {
@@ -291,6 +321,7 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       for (const at::Tensor& t : list) {
         if (t.defined() && t.is_cpu()) {
           check_strided_result(t, op);
+          check_representable_dtype(t, op);
           out.push_back(kernel.result(t));
         } else {
           out.push_back(t);
@@ -349,5 +380,9 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 // [docs:end FALLBACK_GLOBAL]
+
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&refuse_quantized>());
+}
 
 }  // namespace openreg

@@ -18,7 +18,12 @@
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Context.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/ResizeCommon.h>
+#include <ATen/native/TensorFactories.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -43,6 +48,12 @@ void check_layout(std::optional<c10::Layout> layout) {
                               "openreg supports only strided tensors, got layout ", *layout);
 }
 
+// torch.use_deterministic_algorithms(True) with torch.utils.deterministic.fill_uninitialized_memory.
+bool fill_uninitialized() {
+  return at::globalContext().deterministicAlgorithms() &&
+         at::globalContext().deterministicFillUninitializedMemory();
+}
+
 void check_pin(std::optional<bool> pin_memory) {
   TORCH_CHECK(!pin_memory.value_or(false), "Only dense CPU tensors can be pinned");
 }
@@ -55,9 +66,13 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
   check_layout(layout);
   check_pin(pin_memory);
   int index = device_index(device);
-  return at::detail::empty_generic(size, allocator_for_device(index),
-                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                   c10::dtype_or_default(dtype), memory_format);
+  at::Tensor t = at::detail::empty_generic(size, allocator_for_device(index),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype), memory_format);
+  // With torch.use_deterministic_algorithms(True), filled (NaN, or the largest integer) as on
+  // the CPU and CUDA.
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 // [docs:end EMPTY.MEMORY_FORMAT]
 
@@ -67,59 +82,63 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
   check_layout(layout);
   check_pin(pin_memory);
   int index = device_index(device);
-  return at::detail::empty_strided_generic(size, stride, allocator_for_device(index),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                           c10::dtype_or_default(dtype));
-}
-
-// Grows the storage if the tensor's current sizes, strides and offset need more bytes.
-void ensure_storage_fits(const at::Tensor& self) {
-  auto* impl = self.unsafeGetTensorImpl();
-  if (self.numel() == 0) return;
-  size_t needed = at::detail::computeStorageNbytes(self.sizes(), self.strides(),
-                                                   self.dtype().itemsize(), self.storage_offset());
-  auto* storage = impl->storage().unsafeGetStorageImpl();
-  if (needed > storage->nbytes()) resize_storage_bytes(storage, needed);
+  at::Tensor t = at::detail::empty_strided_generic(
+      size, stride, allocator_for_device(index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::dtype_or_default(dtype));
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_empty_deterministic_(t);
+  return t;
 }
 
 // [docs:start RESIZE]
+// Sets sizes (and strides) and grows the storage if they need more bytes: the CPU's resize, with
+// its checks and messages (negative sizes, overflow), on device memory.
+void resize_impl(c10::TensorImpl* self, c10::IntArrayRef size, at::OptionalIntArrayRef stride) {
+  if (self->sizes() == size && (!stride || self->strides() == *stride)) return;
+  const auto itemsize = self->dtype().itemsize();
+  const auto offset = self->storage_offset();
+  size_t needed = 0;
+  if (stride) {
+    self->set_sizes_and_strides(size, *stride);
+    needed = at::detail::computeStorageNbytes(size, *stride, itemsize, offset);
+  } else {
+    self->set_sizes_contiguous(size);
+    needed = at::detail::computeStorageNbytesContiguous(size, itemsize, offset);
+  }
+  if (self->numel() == 0) return;
+  auto* storage = self->storage().unsafeGetStorageImpl();
+  if (needed > storage->nbytes()) resize_storage_bytes(storage, needed);
+}
+
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   auto* impl = self.unsafeGetTensorImpl();
-  if (self.sizes() == size && !memory_format.has_value()) return self;
-  impl->set_sizes_contiguous(size);
+  const int64_t old_nbytes = static_cast<int64_t>(impl->storage().nbytes());
+  resize_impl(impl, size, std::nullopt);
   if (memory_format.has_value()) {
-    TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve,
-                "Unsupported memory format ", *memory_format);
+    TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve, "Unsupported memory format",
+                *memory_format);
     impl->empty_tensor_restride(*memory_format);
   }
-  ensure_storage_fits(self);
+  // With torch.use_deterministic_algorithms(True), new memory is filled (NaN, or the largest
+  // integer) as on the CPU and CUDA.
+  if (C10_UNLIKELY(fill_uninitialized())) at::native::fill_resize_deterministic_(self, old_nbytes);
   return self;
 }
 // [docs:end RESIZE]
 
+// set_ as the CPU's: checkSetStorage (size/stride lengths, offset, same device), then a resize.
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
                         c10::IntArrayRef size, c10::IntArrayRef stride) {
-  TORCH_CHECK(source.device_type() == kOpenReg,
-              "set_: expected an openreg storage for an openreg tensor, got a ",
-              source.device_type(), " storage");
-  TORCH_CHECK(source.device().index() == self.device().index(),
-              "set_: the storage is on ", source.device(), " but the tensor is on ", self.device());
-  TORCH_CHECK(storage_offset >= 0, "Tensor: invalid storage offset ", storage_offset);
+  at::native::checkSetStorage(self, std::move(source), storage_offset, size, stride);
   auto* impl = self.unsafeGetTensorImpl();
-  if (!impl->storage().is_alias_of(source)) impl->set_storage_keep_dtype(std::move(source));
   impl->set_storage_offset(storage_offset);
-  if (stride.empty()) impl->set_sizes_contiguous(size);
-  else impl->set_sizes_and_strides(size, stride);
-  ensure_storage_fits(self);
+  resize_impl(impl, size,
+              stride.data() != nullptr ? at::OptionalIntArrayRef(stride) : std::nullopt);
   return self;
 }
 
 at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
-  size_t itemsize = self.dtype().itemsize();
-  TORCH_CHECK(source.nbytes() % itemsize == 0, "Expected storage size (", source.nbytes(),
-              ") to be divisible by the element size (", itemsize, ")");
-  int64_t numel = static_cast<int64_t>(source.nbytes() / itemsize);
+  int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
   return set_storage(self, std::move(source), 0, {numel}, {});
 }
 
@@ -166,13 +185,38 @@ at::Tensor non_owning(const at::Tensor& host) {
   return t;
 }
 
+// [docs:start COPY_CHECKS]
+// copy_ hands a copy involving openreg to _copy_from before checking anything (at::copy_ checks
+// in the device's copy kernel). So the checks the CPU's copy kernel makes come here, in its
+// order and with its messages, before anything is queued: the destination must not overlap
+// itself or the source, and the source must broadcast to the destination's shape exactly
+// (an empty destination included). Returns false when there is nothing to copy (same memory).
+bool check_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.is_alias_of(src) && dst.storage_offset() == src.storage_offset() &&
+      dst.strides().equals(src.strides()) && dst.sizes().equals(src.sizes()) &&
+      dst.scalar_type() == src.scalar_type() && dst.is_conj() == src.is_conj() &&
+      dst.is_neg() == src.is_neg())
+    return false;
+  at::assert_no_internal_overlap(dst);
+  at::assert_no_partial_overlap(dst, src);
+  if (!dst.sizes().equals(src.sizes())) {
+    c10::DimVector shape(dst.sizes().begin(), dst.sizes().end());
+    if (shape.empty()) shape.assign(src.sizes().begin(), src.sizes().end());
+    else if (!src.sizes().empty()) shape = at::infer_size_dimvector(shape, src.sizes());
+    TORCH_CHECK(dst.sizes().equals(shape), "output with shape ", dst.sizes(),
+                " doesn't match the broadcast shape ", c10::IntArrayRef(shape));
+  }
+  return dst.numel() > 0;
+}
+// [docs:end COPY_CHECKS]
+
 // [docs:start COPY_FROM]
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool src_dev = self.device().type() == kOpenReg;
   const bool dst_dev = dst.device().type() == kOpenReg;
   TORCH_CHECK((src_dev || self.is_cpu()) && (dst_dev || dst.is_cpu()),
               "openreg: copy between ", self.device(), " and ", dst.device(), " is not supported");
-  if (dst.numel() == 0) return dst;
+  if (!check_copy(dst, self)) return dst;
   if (src_dev && dst_dev) {
     // Device to device (same or other device): ordered after the source device's current stream
     // (waited for, not held: holding both streams could deadlock against a copy the other way)
@@ -254,12 +298,17 @@ at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::Scala
                                  std::optional<c10::Device> device, std::optional<bool> pin_memory) {
   check_layout(layout);
   int index = device_index(device);
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, no_memory(index), nullptr,
+  // No memory, but the CPU's storage size (that of a contiguous tensor of this size): views of
+  // it (as_strided, which batched gradients make) are checked against that size, as on the CPU.
+  const auto scalar_type = c10::dtype_or_default(dtype);
+  const size_t nbytes =
+      at::detail::computeStorageNbytesContiguous(size, c10::elementSize(scalar_type));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, no_memory(index), nullptr,
                        /*resizable=*/false);
   auto t = at::detail::make_tensor<c10::TensorImpl>(
       std::move(storage),
       c10::DispatchKeySet({c10::DispatchKey::PrivateUse1, c10::DispatchKey::ZeroTensor}),
-      c10::scalarTypeToTypeMeta(c10::dtype_or_default(dtype)));
+      c10::scalarTypeToTypeMeta(scalar_type));
   t.unsafeGetTensorImpl()->set_sizes_contiguous(size);
   return t;
 }

@@ -442,14 +442,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
 std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p,
                                                   std::optional<bool> train) {
   HostKernel k(op_device("aten::native_dropout", {&input}));
+  // As the CPU kernel: an empty input comes back itself (with an empty mask of its dtype); the
+  // mask is boolean and in the input's layout; a p outside [0, 1] is refused by bernoulli_.
+  if (input.numel() == 0) return {input, at::empty_like(input)};
   const at::Tensor x = k.alias(input);
   if (train.has_value() && !*train) {
     return {k.result(x.clone()), k.result(at::ones_like(x, x.options().dtype(at::kBool)))};
   }
-  TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
-  if (x.numel() == 0) return {k.result(x.clone()), k.result(at::empty_like(x, at::kBool))};
   const double keep = 1. - p;
-  at::Tensor mask = at::empty_like(x, x.options().dtype(at::kBool), at::MemoryFormat::Contiguous);
+  at::Tensor mask = at::empty_like(x, x.options().dtype(at::kBool));
   mask.bernoulli_(keep, cpu_generator_for(std::nullopt, k.device()));
   at::Tensor out = x.mul(mask).mul_(keep == 0 ? 0. : 1. / keep);
   return {k.result(out), k.result(mask)};
@@ -507,6 +508,8 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
   auto& ctx = at::globalContext();
   const char* why_not = fused_attention_unsupported(query, key, value, attn_mask, is_causal,
                                                     enable_gqa);
+  // The math backend refuses a bad dropout_p with the CPU's message.
+  if (why_not == nullptr && !(dropout_p >= 0 && dropout_p < 1)) why_not = "dropout_p outside [0, 1)";
   if (ctx.userEnabledOverrideableSDP() && why_not == nullptr)
     return static_cast<int64_t>(at::SDPBackend::overrideable);
   if (ctx.userEnabledMathSDP()) return static_cast<int64_t>(at::SDPBackend::math);

@@ -19,6 +19,7 @@
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/copy.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/fill.h>
 #include <ATen/TensorIterator.h>
 
@@ -58,6 +59,9 @@ at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Scalar
 at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Tensor& value) {
   TORCH_CHECK(value.dim() == 0, "fill_ only supports 0-dimension value tensor but got tensor with ",
               value.dim(), " dimensions.");
+  // As the CPU's fill_(Tensor) (found by tools/fuzz.py): an expanded destination is refused,
+  // although fill_(Scalar) accepts it.
+  at::assert_no_internal_overlap(self);
   if (value.is_cpu()) return fill_(self, value.item());
   return self.copy_(value);  // a device value: broadcast on the device, no wait for the host
 }

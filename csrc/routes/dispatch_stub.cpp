@@ -63,7 +63,9 @@ void abs_kernel(at::TensorIteratorBase& iter) {
   calls.fetch_add(1, std::memory_order_relaxed);
   LaunchScope launch(current_stream(iter.device(0).index()));  // in stream order
   KernelScope on_device;                                        // device memory accessible
-  AT_DISPATCH_V2(iter.dtype(), "abs_openreg", AT_WRAP([&] {
+  // Named like the CPU kernel, so an unsupported dtype gets the CPU's message ("abs_cpu" not
+  // implemented for 'Bool').
+  AT_DISPATCH_V2(iter.dtype(), "abs_cpu", AT_WRAP([&] {
     iter.for_each([](char** data, const int64_t* strides, int64_t n) {
       for (int64_t i = 0; i < n; ++i) {
         auto* out = reinterpret_cast<scalar_t*>(data[0] + i * strides[0]);
