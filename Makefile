@@ -10,7 +10,7 @@ NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
-	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml
+	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml transformers
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(NATIVE)
 	$(PY) -m pip install --no-build-isolation -e .
@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/compile.py
 
 clean:
 	rm -rf build $(VENV) torch_openreg/*.so *.egg-info
