@@ -32,6 +32,7 @@ fuzz: install
 
 bench: install
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/compile.py
 
 clean:
 	rm -rf build $(VENV) torch_openreg/*.so *.egg-info

@@ -293,3 +293,159 @@ def test_model_forward_backward_matches_cpu(name):
         assert p.grad.device == torch.device("openreg:1"), pname
         torch.testing.assert_close(p.grad.cpu(), cp.grad, rtol=1e-4, atol=1e-4,
                                    msg=lambda m: f"{pname}: {m}")
+
+
+def test_tiny_transformers_model_matches_cpu(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import transformers  # installed by the Makefile
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                     attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0,
+                                     tie_word_embeddings=False)  # ties: see docs/compile.md
+    torch.manual_seed(0)
+    cpu_model = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config)
+    model.load_state_dict(cpu_model.state_dict())
+    model.to("openreg:0")
+    ids = torch.randint(0, 64, (2, 8))
+    out = torch.compile(model)(ids.to("openreg:0"), labels=ids.to("openreg:0"))
+    out.loss.backward()
+    ref = cpu_model(ids, labels=ids)
+    ref.loss.backward()
+    assert out.logits.device == torch.device("openreg:0")
+    torch.testing.assert_close(out.logits.detach().cpu(), ref.logits.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.loss.detach().cpu(), ref.loss.detach())
+    for (name, p), cp in zip(model.named_parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), cp.grad, rtol=1e-3, atol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+# ---- what users compile ------------------------------------------------------------------------
+
+def test_compiled_optimizer_step_matches_eager():
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3), torch.randn(3)]
+    grads = [torch.randn(5, 3), torch.randn(3)]
+
+    def make(device):
+        ps = [p.clone().to(device).requires_grad_() for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g.to(device)
+        return ps, torch.optim.Adam(ps, lr=0.1)
+
+    ps, opt = make("openreg:1")
+    cpu_ps, cpu_opt = make("cpu")
+    step = torch.compile(opt.step)
+    _, codes = run_and_get_code(step)
+    step()
+    cpu_opt.step()
+    cpu_opt.step()
+    assert any("with openreg_launch_1: cpp_fused" in code for code in codes)
+    for p, cp in zip(ps, cpu_ps):
+        assert p.device == torch.device("openreg:1")
+        torch.testing.assert_close(p.detach().cpu(), cp.detach())
+    for state, cpu_state in zip(opt.state.values(), cpu_opt.state.values()):
+        torch.testing.assert_close(state["exp_avg"].cpu(), cpu_state["exp_avg"])
+
+
+def test_dynamic_shapes():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    f = torch.compile(lambda x: (x * 2).relu().sum(0), dynamic=True, backend=counter)
+    for n in (3, 7):
+        x = torch.randn(n, 5, device="openreg")
+        torch.testing.assert_close(f(x).cpu(), (x.cpu() * 2).relu().sum(0))
+    assert counter.frame_count == 1
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    g = torch.compile(lambda x: x.cos() * x.shape[0], backend=counter)  # automatic dynamic
+    for n in (3, 4, 5, 6):
+        x = torch.randn(n, device="openreg")
+        torch.testing.assert_close(g(x).cpu(), x.cpu().cos() * n)
+    assert counter.frame_count == 2  # static first, then one dynamic graph for all sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_inside_compiled_region(dtype):
+    def f(x, w):
+        with torch.autocast("openreg", dtype=dtype):
+            return (x @ w).relu() + 1
+
+    x, w = torch.randn(8, 8, device="openreg"), torch.randn(8, 8, device="openreg")
+    out, (code,) = run_and_get_code(torch.compile(f), x, w)
+    assert out.dtype == dtype and out.device == x.device and "cpp_fused" in code
+    torch.testing.assert_close(out.cpu(), f(x, w).cpu())
+    with torch.autocast("cpu", dtype=dtype):
+        ref = (x.cpu() @ w.cpu()).relu() + 1
+    torch.testing.assert_close(out.cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_random_ops_draw_from_the_device_generator():
+    f = torch.compile(lambda x: F.dropout(x, 0.5) + torch.rand_like(x))
+    x = torch.ones(256, device="openreg:1")
+
+    def run(seed):
+        with torch.openreg.device(1):
+            torch.openreg.manual_seed(seed)
+        return f(x).cpu()
+
+    a, b, c = run(3), run(3), run(4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = (a >= 1).float().mean().item()  # dropout keeps ~half, scaled by 2
+    assert 0.3 < kept < 0.7
+    # They draw from the openreg generator, not from the CPU's: reseeding the CPU generator
+    # changes nothing, and drawing leaves the CPU generator's state as it was.
+    torch.default_generator.manual_seed(12345)
+    cpu_state = torch.get_rng_state()
+    assert torch.equal(run(3), a)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+
+
+def test_custom_ops_inside_compiled_region():
+    x = torch.randn(5, device="openreg", requires_grad=True)
+    f = torch.compile(lambda x: torch.ops.openreg.custom_abs(x * 2) + 1, fullgraph=True)
+    out, codes = run_and_get_code(f, x)
+    out.sum().backward()
+    assert "torch.ops.openreg.custom_abs" in codes[0]
+    xc = x.detach().cpu().requires_grad_()
+    ref = (xc * 2).abs() + 1
+    ref.sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), ref.detach())
+    torch.testing.assert_close(x.grad.cpu(), xc.grad)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes(mode):
+    # reduce-overhead: CUDA graphs apply to CUDA only; Inductor runs the generated code without
+    # them for openreg. max-autotune: the matmul choices Inductor benchmarks for the device.
+    f = torch.compile(lambda x, w: (x @ w).relu() + x.sin(), mode=mode)
+    x, w = torch.randn(16, 16, device="openreg:1"), torch.randn(16, 16, device="openreg:1")
+    for _ in range(3):
+        out = f(x, w)
+        assert out.device == torch.device("openreg:1")
+        torch.testing.assert_close(out.cpu(), (x.cpu() @ w.cpu()).relu() + x.cpu().sin(),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_export_runs_on_openreg():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to("openreg:1")
+    x = torch.randn(3, 4, device="openreg:1")
+    ep = torch.export.export(model, (x,))
+    assert isinstance(ep, torch.export.ExportedProgram)
+    assert all(p.device == torch.device("openreg:1") for p in ep.state_dict.values())
+    out = ep.module()(x)
+    assert out.device == torch.device("openreg:1")
+    torch.testing.assert_close(out.cpu(), model.cpu()(x.cpu()))
+
+
+def test_compile_error_names_the_generated_source():
+    from torch._inductor import config
+
+    f = torch.compile(lambda x: torch.relu(x) + 1)
+    with config.patch({"cpp.inject_relu_bug_TESTING_ONLY": "compile_error"}):
+        with pytest.raises(Exception, match="C\\+\\+ compile error") as info:
+            f(torch.randn(4, device="openreg"))
+    paths = [w for w in str(info.value).split() if w.endswith(".cpp")]
+    assert paths and os.path.exists(paths[0])
+    assert "compile error!" in open(paths[0]).read()  # the injected bug is in that file
