@@ -389,3 +389,58 @@ def test_cross_stream_wait_on_a_captured_event_is_refused():
             x.add_(1)
             e = s.record_event()
             other.wait_event(e)
+
+
+def test_graph_on_another_device_and_pool_release():
+    torch.accelerator.empty_cache()
+    base = torch.accelerator.memory_reserved(1)
+    with torch.accelerator.device_index(1):
+        x = torch.ones(1 << 20, device=DEV)
+        s, g = side_stream(), torch.accelerator.Graph()
+        with s, g:
+            y = x * 2
+            t = y + 1
+            del y
+        g.replay()
+        assert t.device == torch.device("openreg:1") and torch.equal(t[:2].cpu(), torch.full((2,), 3.0))
+        g2 = torch.accelerator.Graph(pool=g.pool())
+        with s, g2:
+            u = t * 3
+        g.reset()  # the pool stays: g2 still uses it
+        g2.replay()
+        assert torch.equal(u[:2].cpu(), torch.full((2,), 9.0))
+        del g, g2
+        torch.accelerator.empty_cache()
+        pool_and_x = torch.accelerator.memory_reserved(1) - base
+        del t, u  # the last tensors of the released pool: its memory goes back to the driver
+        torch.accelerator.empty_cache()
+        assert torch.accelerator.memory_reserved(1) - base < pool_and_x
+        del x
+        torch.accelerator.empty_cache()
+        assert torch.accelerator.memory_reserved(1) == base
+
+
+def test_views_made_by_the_fallback_are_made_at_capture():
+    # unfold and view_as_complex return views; they do no device work, so capture makes them
+    # at once (over the same storage) and records the kernels that use them.
+    x = torch.arange(10.0, device=DEV)
+    s, g = side_stream(), torch.accelerator.Graph()
+    with s, g:
+        u = x[1:].unfold(0, 2, 1)
+        c = torch.view_as_complex(x[2:].view(4, 2))
+        uu = u * 2
+        cc = c * 1j
+    assert u.data_ptr() == x.data_ptr() + 4 and c.data_ptr() == x.data_ptr() + 8
+    x.add_(1)
+    g.replay()
+    ref = torch.arange(10.0) + 1
+    assert torch.equal(uu.cpu(), ref[1:].unfold(0, 2, 1) * 2)
+    assert torch.equal(cc.cpu(), torch.view_as_complex(ref[2:].view(4, 2)) * 1j)
+
+
+def test_data_dependent_operators_are_refused():
+    x = torch.arange(10.0, device=DEV)
+    s, g = side_stream(), torch.accelerator.Graph()
+    with pytest.raises(RuntimeError, match="aten::nonzero cannot be captured"):
+        with s, g:
+            x.nonzero()

@@ -159,6 +159,10 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
     capture_fail(capture, c10::str("openreg: ", schema.operator_name(), " cannot be captured in "
                                    "a graph: its output shapes could not be inferred without "
                                    "running it (", e.what_without_backtrace(), ")"));
+  } catch (std::exception& e) {  // a Python Meta kernel's error
+    capture_fail(capture, c10::str("openreg: ", schema.operator_name(), " cannot be captured in "
+                                   "a graph: its output shapes could not be inferred without "
+                                   "running it (", e.what(), ")"));
   }
 
   // 2. Arguments written in place that the kernel would resize (out=): resize them now.
@@ -189,10 +193,25 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
           found = true;
         }
       }
+      if (found && !ra->isWrite() && meta[r].isTensor() && results.back().isTensor()) {
+        // [docs:start CAPTURE_VIEW]
+        // A view (unfold, view_as_complex): no device work, only metadata. Made now, over the
+        // argument's storage, with the sizes, strides, dtype and offset (in bytes) the Meta
+        // kernel gives relative to its own input.
+        const at::Tensor base = results.back().toTensor();
+        const at::Tensor& m = meta[r].toTensor();
+        at::Tensor view = make_device_tensor(base.storage(), m);
+        const int64_t offset_bytes = base.storage_offset() * int64_t(base.itemsize()) +
+                                     m.storage_offset() * int64_t(m.itemsize());
+        view.unsafeGetTensorImpl()->set_storage_offset(offset_bytes / int64_t(m.itemsize()));
+        results.back() = view;
+        continue;
+        // [docs:end CAPTURE_VIEW]
+      }
       if (!found || !ra->isWrite())
         capture_fail(capture, c10::str("openreg: ", schema.operator_name(), " cannot be captured "
-                                       "in a graph: it returns a view, not supported by "
-                                       "capture"));
+                                       "in a graph: it returns a view of a kind capture does not "
+                                       "support"));
       continue;
     }
     const c10::IValue& m = meta[r];
@@ -214,6 +233,15 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
                                      ") that depends on the data (operation not permitted when "
                                      "stream is capturing)"));
     }
+  }
+
+  // A view operator does no device work: nothing to record.
+  bool writes = !fresh.empty();
+  for (const auto& arg : schema.arguments())
+    writes |= arg.alias_info() != nullptr && arg.alias_info()->isWrite();
+  if (!writes) {
+    for (auto& v : results) stack->push_back(std::move(v));
+    return;
   }
 
   // 4. The recorded work: the kernel on the same memory, fresh results copied into place.
