@@ -444,3 +444,25 @@ def test_data_dependent_operators_are_refused():
     with pytest.raises(RuntimeError, match="aten::nonzero cannot be captured"):
         with s, g:
             x.nonzero()
+
+
+def test_event_recorded_during_capture_is_recorded_at_each_replay():
+    x = torch.zeros(4, device=DEV)
+    s, g = side_stream(), torch.accelerator.Graph()
+    start, end = torch.Event(DEV, enable_timing=True), torch.Event(DEV, enable_timing=True)
+    with pytest.raises(RuntimeError, match="invalidated"):
+        with s, g:
+            start.record(s)
+            x.add_(1)
+            end.record(s)
+            with pytest.raises(RuntimeError, match="recorded during graph capture"):
+                end.synchronize()
+    g = torch.accelerator.Graph()  # the first capture was invalidated by the synchronize
+    with s, g:
+        start.record(s)
+        x.add_(1)
+        end.record(s)
+    g.replay()
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 0
+    assert torch.equal(x.cpu(), torch.ones(4))

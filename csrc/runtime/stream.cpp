@@ -512,6 +512,10 @@ void event_record(const EventPtr& e, Stream* s) {
       std::lock_guard lock(e->mutex);
       e->captured_by = c;
     }
+    {
+      std::lock_guard lock(c->mutex);
+      c->events.push_back(e);
+    }
     capture_record(c, "event record", [e] {
       {
         std::lock_guard lock(e->mutex);
@@ -673,6 +677,13 @@ void capture_end(Stream* s, Capture* c) {
     g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c));
   }
   g_active_captures.fetch_sub(1);
+  // Events recorded into the capture stop pointing at it (the graph may be destroyed first).
+  for (auto& weak : c->events)
+    if (EventPtr e = weak.lock()) {
+      std::lock_guard lock(e->mutex);
+      if (e->captured_by == c) e->captured_by = nullptr;
+    }
+  c->events.clear();
   TORCH_CHECK(c->invalidated.empty(), "openreg: graph capture was invalidated: ", c->invalidated,
               " (the graph cannot be replayed; reset() it and capture again)");
 }

@@ -38,6 +38,7 @@ constexpr int kHighestPriority = -(kPriorityLevels - 1);
 constexpr int64_t kStreamsPerDevice = 1 + kPriorityLevels * kPoolSize;
 
 class Stream;
+struct EventState;
 
 Stream* get_stream(int device, int64_t id);  // checks device and id
 int64_t current_stream_id(int device);        // per thread, starts at the default stream
@@ -147,6 +148,7 @@ struct Capture {
   std::vector<CapturedWork> work;
   std::string invalidated;  // set by the first refused operation: capture_end then raises
   std::mutex mutex;         // work may be recorded by an autograd thread on the stream
+  std::vector<std::weak_ptr<EventState>> events;  // recorded into the capture
 };
 
 // Starts/ends recording on `s`. capture_begin refuses the default stream and a stream that is
