@@ -466,3 +466,69 @@ def test_event_recorded_during_capture_is_recorded_at_each_replay():
     end.synchronize()
     assert end.query() and start.elapsed_time(end) >= 0
     assert torch.equal(x.cpu(), torch.ones(4))
+
+
+def test_cnn_training_step_capture_matches_eager():
+    # Convolution forward and backward are openreg's own kernels (overrideable ops): recorded
+    # through capture_call and replayed through the dispatcher.
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                   torch.nn.Linear(4 * 6 * 6, 3))
+    g_cpu = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 1, 8, 8, generator=g_cpu), torch.randint(0, 3, (2,), generator=g_cpu))
+            for _ in range(4)]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    eager = make().to(DEV)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(eager(x.to(DEV)), y.to(DEV)).backward()
+        opt.step()
+    model = make().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sx = torch.zeros(2, 1, 8, 8, device=DEV)
+    sy = torch.zeros(2, dtype=torch.long, device=DEV)
+    s = side_stream()
+    sx.copy_(data[0][0])
+    sy.copy_(data[0][1])
+    with s:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(sx), sy).backward()
+        opt.step()
+    torch.accelerator.current_stream().wait_stream(s)
+    g = torch.accelerator.Graph()
+    opt.zero_grad(set_to_none=True)
+    with s, g:
+        loss_fn(model(sx), sy).backward()
+        opt.step()
+    for x, y in data[1:]:
+        sx.copy_(x)
+        sy.copy_(y)
+        g.replay()
+    for a, b in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_openreg_graph_context_manager():
+    # torch.openreg.graph mirrors torch.cuda.graph: it captures on a side stream of its own.
+    x = torch.zeros(4, device=DEV)
+    g = torch.accelerator.Graph()
+    with torch.openreg.graph(g):
+        assert torch.openreg.is_current_stream_capturing()
+        assert torch.accelerator.current_stream().stream_id != 0
+        x.add_(2)
+    assert not torch.openreg.is_current_stream_capturing()
+    assert torch.accelerator.current_stream().stream_id == 0
+    g.replay()
+    assert torch.equal(x.cpu(), torch.full((4,), 2.0))
+    pool = torch.openreg.graph_pool_handle()
+    g1, g2 = torch.accelerator.Graph(), torch.accelerator.Graph()
+    with torch.openreg.graph(g1, pool=pool):
+        y = x + 1
+    with torch.openreg.graph(g2, pool=pool, capture_error_mode="relaxed"):
+        z = y * 2
+    assert g1.pool() == g2.pool() == pool
+    g1.replay()
+    g2.replay()
+    assert torch.equal(z.cpu(), torch.full((4,), 6.0))
