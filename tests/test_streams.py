@@ -472,3 +472,33 @@ def test_query_is_true_as_soon_as_synchronize_returns(device):
         host.copy_(x, non_blocking=True)
         stream.synchronize()
         assert stream.query()
+
+
+# ---------------------------------------------------------------- a device without an index
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.Stream(device="openreg"),
+    lambda: torch.Stream(torch.device("openreg")),
+    lambda: torch.Stream(device=torch.accelerator.current_accelerator()),
+    lambda: torch.Stream(device="openreg", priority=-1),
+    lambda: torch.Stream(),
+], ids=["str", "device", "current_accelerator", "priority", "no-device"])
+def test_stream_without_index_is_on_the_current_device(make):
+    # A device without an index means the current device, as everywhere in PyTorch.
+    with torch.accelerator.device_index(1):
+        s = make()
+        assert s.device.type == "openreg"
+        assert s.device_index == 1 and s.stream_id != 0
+        x = torch.ones(4, device="openreg:1")
+        with s:
+            y = x + 1
+        s.synchronize()
+        assert torch.equal(y.cpu(), torch.full((4,), 2.0))
+    assert make().device_index == 0
+
+
+def test_current_and_default_stream_of_a_device_without_index():
+    with torch.accelerator.device_index(1):
+        assert torch.accelerator.current_stream(torch.device("openreg")).device_index == 1
+        assert torch.openreg.default_stream("openreg").device_index == 1

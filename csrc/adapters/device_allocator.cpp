@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -167,10 +168,43 @@ class DeviceCache {
     auto it = live_.find(ptr);
     if (it == live_.end()) return;
     Block* block = it->second;
-    if (stream == block->stream) return;
+    if (stream == block->stream || block->stream >= kPoolKeyBase) return;  // graph pools are stream-ordered by their graph
     if (std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
         block->stream_uses.end())
       block->stream_uses.push_back(stream);
+  }
+
+  // ---- private pools (keys above kPoolKeyBase; stream ids are below)
+  static constexpr int64_t kPoolKeyBase = int64_t(1) << 40;
+
+  int64_t pool_acquire(c10::MempoolId_t id) {
+    std::lock_guard lock(mutex_);
+    auto it = pools_.find(id);
+    if (it == pools_.end()) it = pools_.emplace(id, std::pair<int64_t, int>{next_pool_key_++, 0}).first;
+    it->second.second++;
+    return it->second.first;
+  }
+
+  void pool_release(c10::MempoolId_t id) {
+    std::lock_guard lock(mutex_);
+    auto it = pools_.find(id);
+    if (it == pools_.end() || --it->second.second > 0) return;
+    const int64_t key = it->second.first;
+    pools_.erase(it);
+    dead_pools_.insert(key);
+    for (auto* pool : {&small_free_, &large_free_})
+      for (auto b = pool->begin(); b != pool->end();) {
+        Block* block = *b;
+        if (block->stream != key || block->prev || block->next) { ++b; continue; }
+        b = pool->erase(b);
+        free_segment(block);
+      }
+  }
+
+  bool in_private_pool(const void* ptr) {
+    std::lock_guard lock(mutex_);
+    auto it = live_.find(const_cast<void*>(ptr));
+    return it != live_.end() && it->second->stream >= kPoolKeyBase;
   }
 
   bool owns(const void* ptr) {
@@ -252,6 +286,18 @@ class DeviceCache {
     return block;
   }
 
+  bool live_pool(int64_t key) const {
+    return key >= kPoolKeyBase && dead_pools_.count(key) == 0;
+  }
+
+  void free_segment(Block* b) {
+    segment_free(b->ptr);
+    update(stats_, &DeviceStats::segment, b->small, -1);
+    update(stats_, &DeviceStats::reserved_bytes, b->small, -int64_t(b->size));
+    stats_.num_device_free++;
+    delete b;
+  }
+
   // Returns a freed block to its pool, merging it with free neighbours.
   void release_block(Block* block) {
     auto& pool = block->small ? small_free_ : large_free_;
@@ -270,6 +316,12 @@ class DeviceCache {
       }
       block->size += neighbour->size;
       delete neighbour;
+    }
+    // The last piece of a released graph pool's segment: back to the driver.
+    if (block->stream >= kPoolKeyBase && !live_pool(block->stream) && !block->prev &&
+        !block->next) {
+      free_segment(block);
+      return;
     }
     pool.insert(block);
   }
@@ -317,16 +369,13 @@ class DeviceCache {
     for (auto* pool : {&small_free_, &large_free_}) {
       for (auto it = pool->begin(); it != pool->end();) {
         Block* b = *it;
-        if (b->prev || b->next) {
+        // Free blocks of a live graph pool stay: the graph replays into them.
+        if (b->prev || b->next || live_pool(b->stream)) {
           ++it;
           continue;
         }
         it = pool->erase(it);
-        segment_free(b->ptr);
-        update(stats_, &DeviceStats::segment, b->small, -1);
-        update(stats_, &DeviceStats::reserved_bytes, b->small, -int64_t(b->size));
-        stats_.num_device_free++;
-        delete b;
+        free_segment(b);
       }
     }
   }
@@ -359,6 +408,9 @@ class DeviceCache {
   ska::flat_hash_map<void*, Block*> live_;  // open addressing: no node allocated per block
   std::deque<std::pair<EventPtr, Block*>> outstanding_;
   DeviceStats stats_;
+  std::map<c10::MempoolId_t, std::pair<int64_t, int>> pools_;  // id -> (key, graphs using it)
+  std::set<int64_t> dead_pools_;
+  int64_t next_pool_key_ = kPoolKeyBase;
 };
 
 std::vector<std::unique_ptr<DeviceCache>>& caches() {
@@ -487,7 +539,14 @@ c10::DataPtr allocate_on_device(int device, size_t nbytes) {
   check_not_forked();
   c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
   if (nbytes == 0) return c10::DataPtr(nullptr, dev);
-  Block* block = cache(device).malloc(nbytes, current_stream_id(device));
+  // [docs:start POOL_ROUTING]
+  // Allocations on a stream that captures a graph come from the graph's private pool.
+  Capture* capture = g_active_captures.load(std::memory_order_relaxed) > 0
+                         ? stream_capture(current_stream(device))
+                         : nullptr;
+  const int64_t key = capture != nullptr ? capture->pool_key : current_stream_id(device);
+  Block* block = cache(device).malloc(nbytes, key);
+  // [docs:end POOL_ROUTING]
   return c10::DataPtr(block->ptr, block->ptr, &delete_device_memory, dev);
 }
 
@@ -496,6 +555,10 @@ bool is_device_memory(const c10::DataPtr& ptr) {
 }
 
 void set_memory_fraction(double fraction, int device) { cache(device).set_fraction(fraction); }
+
+int64_t pool_acquire(int device, c10::MempoolId_t id) { return cache(device).pool_acquire(id); }
+void pool_release(int device, c10::MempoolId_t id) { cache(device).pool_release(id); }
+bool in_private_pool(int device, const void* ptr) { return cache(device).in_private_pool(ptr); }
 
 AllocateOnDevice::AllocateOnDevice(int device) : previous_(tls_allocate_on) {
   tls_allocate_on = device;

@@ -21,6 +21,18 @@ c10::DataPtr allocate_on_device(int device, size_t nbytes);
 // DataPtr claims): such memory can be adopted by a device storage without a copy.
 bool is_device_memory(const c10::DataPtr& ptr);
 
+// [docs:start PRIVATE_POOLS]
+// Private memory pools of graphs (adapters/graph.cpp). While a stream captures a graph, the
+// allocations made on it come from the graph's pool: blocks of a pool are only ever handed out
+// again to allocations of the same pool (the graph replays into them), never to other work, and
+// empty_cache keeps them. When the last graph using a pool releases it, its free memory goes
+// back to the driver and blocks still held by tensors follow when those are freed.
+int64_t pool_acquire(int device, c10::MempoolId_t id);  // returns the pool's allocator key
+void pool_release(int device, c10::MempoolId_t id);
+// True when `ptr` is the start of a live block of a private pool.
+bool in_private_pool(int device, const void* ptr);
+// [docs:end PRIVATE_POOLS]
+
 // Limit of the caching allocator for a device, as a fraction of its capacity.
 void set_memory_fraction(double fraction, int device);
 

@@ -23,6 +23,12 @@ c10::Stream to_c10(int device, int64_t id) {
 
 Stream* from_c10(const c10::Stream& s) { return get_stream(s.device_index(), s.id()); }
 
+// [docs:start GUARD_NO_INDEX]
+// A device without an index (torch.Stream(device="openreg")) means the current device, as
+// everywhere in PyTorch (CUDA's stream pool treats -1 so).
+int index_of(c10::Device d) { return d.has_index() ? d.index() : current_device(); }
+// [docs:end GUARD_NO_INDEX]
+
 EventPtr& as_event(void* handle) { return *static_cast<EventPtr*>(handle); }
 
 struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -48,16 +54,23 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
   // [docs:start GUARD_STREAMS]
   c10::Stream getStream(c10::Device d) const override {
-    check_device(d.index());
-    return to_c10(d.index(), current_stream_id(d.index()));
+    const int device = index_of(d);
+    check_device(device);
+    return to_c10(device, current_stream_id(device));
   }
-  c10::Stream getDefaultStream(c10::Device d) const override { return to_c10(d.index(), 0); }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    const int device = index_of(d);
+    check_device(device);
+    return to_c10(device, 0);
+  }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
-    return to_c10(d.index(),
-                  stream_from_pool(d.index(), high_priority ? kHighestPriority : kLowestPriority));
+    const int device = index_of(d);
+    return to_c10(device,
+                  stream_from_pool(device, high_priority ? kHighestPriority : kLowestPriority));
   }
   c10::Stream getNewStream(c10::Device d, int priority) const override {
-    return to_c10(d.index(), stream_from_pool(d.index(), priority));
+    const int device = index_of(d);
+    return to_c10(device, stream_from_pool(device, priority));
   }
   void* getStreamNativeHandle(const c10::Stream s) const override { return from_c10(s); }
   c10::Stream exchangeStream(c10::Stream s) const override {
@@ -70,6 +83,21 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override {
     return static_cast<c10::DeviceIndex>(device_count());
   }
+
+  // [docs:start GUARD_CAPABILITY]
+  // torch.accelerator.get_device_capability(): the dtypes a tensor of the device can have and
+  // be converted between. Every dtype of the CPU (the device runs CPU kernels on its memory)
+  // except the quantized ones: a quantized tensor has its own dispatch key (QuantizedPrivateUse1)
+  // and openreg registers no kernel for it, so not even empty() works.
+  c10::DeviceCapability getDeviceCapability(c10::Device d) const override {
+    check_device(index_of(d));
+    c10::DeviceCapability cap;  // all dtypes
+    for (auto q : {c10::kIndex_QInt8, c10::kIndex_QUInt8, c10::kIndex_QInt32,
+                   c10::kIndex_QUInt4x2, c10::kIndex_QUInt2x4})
+      cap.capability_data.capability_bits &= ~(uint64_t(1) << q);
+    return cap;
+  }
+  // [docs:end GUARD_CAPABILITY]
 
   // [docs:start GUARD_EVENTS]
   // Events: the opaque handle is a heap-allocated shared pointer to the runtime event, so that
@@ -106,6 +134,11 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 
   // [docs:start GUARD_SYNC]
   bool queryStream(const c10::Stream& s) const override { return stream_query(from_c10(s)); }
+  // [docs:start GUARD_IS_CAPTURING]
+  bool isStreamCapturing(const c10::Stream& s) const override {
+    return stream_capture(from_c10(s)) != nullptr;
+  }
+  // [docs:end GUARD_IS_CAPTURING]
   void synchronizeStream(const c10::Stream& s) const override {
     stream_synchronize(from_c10(s));
   }

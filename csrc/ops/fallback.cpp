@@ -9,6 +9,7 @@
 #include "ops/fallback.h"
 
 #include "adapters/generator.h"
+#include "adapters/graph.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
 
@@ -216,6 +217,10 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   }
   check.finish(*stack, first);
   const int device = check.device;
+  // [docs:start FALLBACK_CAPTURE]
+  // A stream capturing a graph records the operator instead of running it (adapters/graph.cpp).
+  if (Capture* capture = capturing(device)) return capture_op(capture, op, stack, device, ReplayOn::Cpu);
+  // [docs:end FALLBACK_CAPTURE]
 
   HostKernel kernel(device);
   // Keep the device arguments written in place: they are synchronised after the kernel.

@@ -4,6 +4,7 @@
 #include "ops/minimal_ops.h"
 
 #include "adapters/device_allocator.h"
+#include "adapters/graph.h"
 #include "adapters/host_allocator.h"
 #include "ops/cpu_kernel.h"
 #include "routes/op_fallback.h"
@@ -210,6 +211,37 @@ bool check_copy(const at::Tensor& dst, const at::Tensor& src) {
 }
 // [docs:end COPY_CHECKS]
 
+// [docs:start CAPTURE_COPY]
+// A copy issued on a capturing stream is recorded: device to device, and asynchronous copies
+// with pinned host memory (the host memory is read or written at each replay, as on CUDA).
+// A copy with pageable host memory makes the host wait: not permitted during capture.
+void capture_copy(Capture* capture, const at::Tensor& self, const at::Tensor& dst,
+                  bool non_blocking, bool src_dev, bool dst_dev) {
+  if (!(src_dev && dst_dev)) {
+    const at::Tensor& host = src_dev ? dst : self;
+    if (!(non_blocking && pinned(host)))
+      capture_fail(capture, c10::str("openreg: a copy ", src_dev ? "to" : "from", " pageable "
+                                     "host memory (or with non_blocking=False) makes the host "
+                                     "wait for the device: not permitted while the stream is "
+                                     "capturing a graph (operation not permitted when stream is "
+                                     "capturing; use pinned memory and non_blocking=True)"));
+  }
+  at::Tensor d = dst_dev ? graph_alias(dst) : dst;
+  at::Tensor s = src_dev ? graph_alias(self) : self;
+  const int src_device = src_dev ? tensor_device(self) : -1;
+  const int dst_device = dst_dev ? tensor_device(dst) : -1;
+  capture_record(capture, c10::str("copy ", self.device(), " -> ", dst.device(), " ",
+                                   dst.scalar_type(), dst.sizes()),
+                 [d, s, src_device, dst_device] {
+                   if (src_device >= 0 && dst_device >= 0 && src_device != dst_device)
+                     stream_wait(current_stream(src_device));
+                   at::AutoDispatchBelowADInplaceOrView below_autograd;
+                   KernelScope kernel;
+                   copy_between(d, s);
+                 });
+}
+// [docs:end CAPTURE_COPY]
+
 // [docs:start COPY_FROM]
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   const bool src_dev = self.device().type() == kOpenReg;
@@ -217,6 +249,10 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   TORCH_CHECK((src_dev || self.is_cpu()) && (dst_dev || dst.is_cpu()),
               "openreg: copy between ", self.device(), " and ", dst.device(), " is not supported");
   if (!check_copy(dst, self)) return dst;
+  if (Capture* c = capturing(dst_dev ? tensor_device(dst) : tensor_device(self))) {
+    capture_copy(c, self, dst, non_blocking, src_dev, dst_dev);
+    return dst;
+  }
   if (src_dev && dst_dev) {
     // Device to device (same or other device): ordered after the source device's current stream
     // (waited for, not held: holding both streams could deadlock against a copy the other way)
@@ -267,6 +303,8 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
   warn_or_error_on_sync("aten::_local_scalar_dense");  // item(): the host waits for the device
+  check_capture_permits("reading a value on the host (item(), _local_scalar_dense)",
+                        tensor_device(self), current_stream(tensor_device(self)));
   HostKernel k(tensor_device(self));
   return at::_local_scalar_dense(k.alias(self));
 }

@@ -14,6 +14,7 @@
 //     generator instead of the device's.
 // The generic fallback runs CPU kernels, so it cannot serve them: openreg implements each one
 // here, as a real backend would, on the device memory itself (HostKernel, ops/cpu_kernel.h).
+#include "adapters/graph.h"
 #include "adapters/generator.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
@@ -82,6 +83,26 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
 // Convolution
 // ---------------------------------------------------------------------------------------------
 
+// Output shapes for graph capture (the overrideable ops have no Meta kernel): `convolution`
+// takes the same arguments and has one; the backward's gradients have the inputs' shapes.
+void convolution_meta(c10::Stack* stack) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+}
+
+void convolution_backward_meta(c10::Stack* stack) {
+  // (grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,
+  //  output_mask)
+  const auto mask = (*stack)[9].to<std::array<bool, 3>>();
+  const at::Tensor grad_output = (*stack)[0].toTensor();
+  const at::Tensor input = (*stack)[1].toTensor(), weight = (*stack)[2].toTensor();
+  stack->clear();
+  stack->emplace_back(mask[0] ? at::empty_like(input) : at::Tensor());
+  stack->emplace_back(mask[1] ? at::empty_like(weight) : at::Tensor());
+  stack->emplace_back(mask[2] ? at::empty({grad_output.size(1)}, grad_output.options())
+                              : at::Tensor());
+}
+
 // [docs:start CONVOLUTION]
 // The CPU has every convolution (1d/2d/3d, transposed, grouped, dilated): run it on the device
 // memory. `_convolution` has already checked the arguments and chosen this backend.
@@ -91,7 +112,12 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     bool transposed, c10::IntArrayRef output_padding,
                                     int64_t groups) {
   const at::Tensor b = or_undefined(bias);
-  HostKernel k(op_device("aten::convolution_overrideable", {&input, &weight, &b}));
+  const int device = op_device("aten::convolution_overrideable", {&input, &weight, &b});
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call_meta<at::Tensor>(c, device, "aten::convolution_overrideable", "",
+                                         &convolution_meta, input, weight, bias, stride, padding,
+                                         dilation, transposed, output_padding, groups);
+  HostKernel k(device);
   at::Tensor out = at::convolution(k.alias(input), k.alias(weight), alias_optional(k, bias), stride,
                                    padding, dilation, transposed, output_padding, groups);
   return k.result(out);
@@ -101,8 +127,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
-  HostKernel k(op_device("aten::convolution_backward_overrideable",
-                         {&grad_output, &input, &weight}));
+  const int device = op_device("aten::convolution_backward_overrideable",
+                               {&grad_output, &input, &weight});
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call_meta<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, "aten::convolution_backward_overrideable", "", &convolution_backward_meta,
+        grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,
+        output_mask);
+  HostKernel k(device);
   // The bias, when there is one, has one value per output channel.
   const int64_t bias_size[] = {grad_output.size(1)};
   auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
@@ -441,7 +473,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
 // the CPU generator; here it comes from the device's generator (torch.openreg.manual_seed).
 std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p,
                                                   std::optional<bool> train) {
-  HostKernel k(op_device("aten::native_dropout", {&input}));
+  const int device = op_device("aten::native_dropout", {&input});
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call<std::tuple<at::Tensor, at::Tensor>>(c, device, "aten::native_dropout", "",
+                                                            input, p, train);
+  HostKernel k(device);
   // As the CPU kernel: an empty input comes back itself (with an empty mask of its dtype); the
   // mask is boolean and in the input's layout; a p outside [0, 1] is refused by bernoulli_.
   if (input.numel() == 0) return {input, at::empty_like(input)};

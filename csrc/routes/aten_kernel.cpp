@@ -9,6 +9,7 @@
 // openreg does it for `mse_loss`: the CPU computes (a - b)^2 into a full-size temporary, then
 // reduces it (two passes over memory and an allocation of the input's size); this kernel reduces
 // in one pass, accumulating in double. Cases it does not fuse go to the CPU kernel on device memory.
+#include "adapters/graph.h"
 #include "ops/cpu_kernel.h"
 #include "routes/call_counter.h"
 #include "runtime/device.h"
@@ -55,7 +56,10 @@ std::atomic<int64_t>& fused_calls = call_counter("aten_kernel.mse_loss.fused");
 // [docs:start MSE_LOSS]
 at::Tensor mse_loss(const at::Tensor& self, const at::Tensor& target, int64_t reduction) {
   calls.fetch_add(1, std::memory_order_relaxed);
-  HostKernel k(same_device("aten::mse_loss", self, target));  // stream order, device memory
+  const int device = same_device("aten::mse_loss", self, target);
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call<at::Tensor>(c, device, "aten::mse_loss", "", self, target, reduction);
+  HostKernel k(device);  // stream order, device memory
   at::Tensor a = k.alias(self), b = k.alias(target);           // CPU views of the same memory
   const auto dtype = a.scalar_type();
   const bool fusable = reduction != at::Reduction::None && a.sizes() == b.sizes() &&

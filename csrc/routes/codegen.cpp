@@ -9,6 +9,7 @@
 //
 // openreg uses it for filling memory (torch.zeros, torch.full, zero_grad, optimizer states):
 // fill_ runs the CPU fill kernel on device memory, zero_ of a dense tensor is a memset.
+#include "adapters/graph.h"
 #include "build/generated/PrivateUse1NativeFunctions.h"
 
 #include "ops/cpu_kernel.h"
@@ -51,6 +52,10 @@ at::Tensor& fill_on_cpu_kernel(at::Tensor& self, const at::Scalar& value) {
 // [docs:start KERNELS]
 at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Scalar& value) {
   fill_calls.fetch_add(1, std::memory_order_relaxed);
+  if (Capture* c = capturing(self.device().index())) {  // graph capture: recorded, not run
+    capture_call<at::Tensor>(c, self.device().index(), "aten::fill_", "Scalar", self, value);
+    return self;
+  }
   // The CPU's fill kernel on the device memory: vectorized and parallel. (A plain std::fill loop
   // here measured 7x slower on a 4 MB tensor: 423 us against 59 us.)
   return fill_on_cpu_kernel(self, value);
@@ -68,6 +73,10 @@ at::Tensor& PrivateUse1NativeFunctions::fill_(at::Tensor& self, const at::Tensor
 
 at::Tensor& PrivateUse1NativeFunctions::zero_(at::Tensor& self) {
   zero_calls.fetch_add(1, std::memory_order_relaxed);
+  if (Capture* c = capturing(self.device().index())) {  // graph capture: recorded, not run
+    capture_call<at::Tensor>(c, self.device().index(), "aten::zero_", "", self);
+    return self;
+  }
   if (!fills_directly(self)) return fill_(self, 0);
   if (self.numel() == 0) return self;
   LaunchScope launch(current_stream(self.device().index()));

@@ -11,6 +11,7 @@
 //   openreg::custom_autograd_fn_aliasing      returns a view of its input; backward grad * 0.5
 // The two identity-like operators scale their gradient so that a test can tell their backward
 // ran (rather than autograd treating them as a plain view); both work under torch.compile.
+#include "adapters/graph.h"
 #include "ops/cpu_kernel.h"
 #include "routes/call_counter.h"
 #include "runtime/device.h"
@@ -47,6 +48,8 @@ void check_floating(const at::Tensor& input, bool meta) {
 at::Tensor custom_abs_openreg(const at::Tensor& input) {
   check_floating(input, /*meta=*/false);
   abs_calls.fetch_add(1, std::memory_order_relaxed);
+  if (Capture* c = capturing(input.device().index()))  // graph capture (adapters/graph.h)
+    return capture_call<at::Tensor>(c, input.device().index(), "openreg::custom_abs", "", input);
   HostKernel k(input.device().index());
   return k.result(at::abs(k.alias(input)));
 }

@@ -14,6 +14,7 @@
 //                        through a complex temporary) and calls abs_stub(PrivateUse1, iter)
 //   abs_stub             abs_kernel below: the loop over device memory, for every dtype the
 //                        CPU's abs accepts (integers included).
+#include "adapters/graph.h"
 #include "routes/call_counter.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -22,6 +23,7 @@
 #include <ATen/native/DispatchStub.h>
 #include <ATen/native/TensorIterator.h>
 #include <ATen/native/UnaryOps.h>
+#include <ATen/ops/abs.h>
 #include <ATen/ops/abs_native.h>
 #include <c10/util/complex.h>
 #include <torch/library.h>
@@ -61,6 +63,15 @@ std::atomic<int64_t>& calls = call_counter("abs_stub");
 // strides, contiguous or not.
 void abs_kernel(at::TensorIteratorBase& iter) {
   calls.fetch_add(1, std::memory_order_relaxed);
+  if (Capture* c = capturing(iter.device(0).index())) {  // graph capture (adapters/graph.h)
+    // Recorded: at replay, the CPU abs kernel on the same memory.
+    at::Tensor out = graph_alias(iter.tensor(0)), in = graph_alias(iter.tensor(1));
+    capture_record(c, "abs_stub(" + c10::str(in.sizes()) + ")", [out, in] {
+      KernelScope on_device;
+      at::abs_out(const_cast<at::Tensor&>(out), in);
+    });
+    return;
+  }
   LaunchScope launch(current_stream(iter.device(0).index()));  // in stream order
   KernelScope on_device;                                        // device memory accessible
   // Named like the CPU kernel, so an unsupported dtype gets the CPU's message ("abs_cpu" not

@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -126,6 +127,9 @@ class Stream {
   int device() const { return device_; }
   int64_t id() const { return id_; }
 
+  Capture* capture() const { return capture_.load(std::memory_order_acquire); }
+  void set_capture(Capture* c) { capture_.store(c, std::memory_order_release); }
+
  private:
   bool try_begin_kernel() {
     uint32_t idle = 0;
@@ -196,6 +200,7 @@ class Stream {
   bool worker_started_ = false;
   std::string error_;
   std::atomic<bool> has_error_{false};
+  std::atomic<Capture*> capture_{nullptr};  // graph capture recording on this stream
 };
 // [docs:end STREAM_CLASS]
 
@@ -315,11 +320,15 @@ int64_t stream_id(const Stream* s) { return s->id(); }
 
 void stream_enqueue(Stream* s, std::function<void()> task) {
   check_not_forked();
+  if (Capture* c = s->capture())
+    capture_fail(c, "openreg: queueing asynchronous work on a capturing stream is not "
+                    "supported (operation not permitted when stream is capturing)");
   s->enqueue(std::move(task));
 }
 
 bool stream_query(Stream* s) {
   check_not_forked();
+  check_capture_permits("querying a stream", s->device(), s);
   s->rethrow_async_error();
   return s->idle();
 }
@@ -336,6 +345,7 @@ void stream_wait(Stream* s) {
 }
 
 void stream_synchronize(Stream* s) {
+  check_capture_permits("synchronizing a stream", s->device(), s);
   stream_wait(s);
   s->rethrow_async_error();
 }
@@ -343,6 +353,7 @@ void stream_synchronize(Stream* s) {
 void device_synchronize(int device) {
   check_device(device);
   check_not_forked();
+  check_capture_permits("synchronizing a device", device, nullptr);
   auto& streams = all_streams()[device].streams;
   std::vector<EventPtr> markers;
   for (auto& s : streams) {
@@ -402,6 +413,12 @@ bool stream_release(const std::shared_ptr<StreamHold>& hold) {
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   check_not_forked();
   if (held_here(s)) return;  // nested launch: the stream is already ours
+  // A kernel that reaches here on a capturing stream would run now instead of being recorded.
+  if (g_active_captures.load(std::memory_order_relaxed) > 0)
+    if (Capture* c = capture_for_launch(s))
+      capture_fail(c, "openreg: a kernel without graph-capture support was launched on a "
+                      "capturing stream (it would run now instead of at replay); docs/graphs.md "
+                      "lists what can be captured");
   s->begin_kernel();
   push_held(s);
   stream_ = s;
@@ -459,6 +476,7 @@ struct EventState {
   uint64_t completed = 0;     // version the device has reached
   Stream* pending = nullptr;  // stream of the last record while it is not complete
   Clock::time_point when;
+  Capture* captured_by = nullptr;  // the last record was recorded into this capture
 };
 
 EventPtr event_create(int device, bool enable_timing) {
@@ -487,11 +505,33 @@ void event_record(const EventPtr& e, Stream* s) {
   check_not_forked();
   TORCH_CHECK(stream_device(s) == e->device, "openreg: event on device ", e->device,
               " cannot be recorded on a stream of device ", stream_device(s));
+  if (Capture* c = s->capture()) {
+    // [docs:start CAPTURE_EVENT_RECORD]
+    // Recorded into the graph: the record happens at each replay, on the replaying stream.
+    {
+      std::lock_guard lock(e->mutex);
+      e->captured_by = c;
+    }
+    {
+      std::lock_guard lock(c->mutex);
+      c->events.push_back(e);
+    }
+    capture_record(c, "event record", [e] {
+      {
+        std::lock_guard lock(e->mutex);
+        e->captured_by = nullptr;
+      }
+      event_record(e, current_stream(e->device));
+    });
+    return;
+    // [docs:end CAPTURE_EVENT_RECORD]
+  }
   uint64_t version;
   {
     std::lock_guard lock(e->mutex);
     version = ++e->recorded;
     e->pending = s;
+    e->captured_by = nullptr;
   }
   // A record issued from work running on the stream itself (the allocator freeing a block
   // inside a kernel) covers the work before that kernel: complete it now.
@@ -511,6 +551,19 @@ bool event_query(const EventPtr& e) {
 }
 
 void event_synchronize(const EventPtr& e) {
+  {
+    Stream* pending = nullptr;
+    Capture* captured = nullptr;
+    {
+      std::lock_guard lock(e->mutex);
+      pending = e->pending;
+      captured = e->captured_by;
+    }
+    if (captured != nullptr)
+      capture_fail(captured, "openreg: synchronizing an event recorded during graph capture is "
+                             "not permitted (operation not permitted when stream is capturing)");
+    if (pending != nullptr) check_capture_permits("synchronizing an event", e->device, pending);
+  }
   std::unique_lock lock(e->mutex);
   if (e->completed >= e->recorded) return;
   TORCH_CHECK(!held_here(e->pending), "openreg: cannot wait for an event recorded on stream ",
@@ -522,11 +575,27 @@ void event_synchronize(const EventPtr& e) {
 // [docs:start EVENT_BLOCK]
 void event_block(const EventPtr& e, Stream* s) {
   uint64_t version;
+  Capture* recorded_in = nullptr;
   {
     std::lock_guard lock(e->mutex);
-    if (e->completed >= e->recorded) return;  // nothing outstanding to wait for
+    recorded_in = e->captured_by;
+    if (recorded_in == nullptr && e->completed >= e->recorded) return;  // nothing to wait for
     version = e->recorded;
   }
+  // [docs:start CAPTURE_EVENT_BLOCK]
+  Capture* c = s->capture();
+  if (recorded_in != nullptr || c != nullptr) {
+    // Within one capturing stream the recorded order already orders the work. A wait that
+    // would join another stream into the capture (fork/join across streams) is not supported.
+    if (recorded_in != nullptr && recorded_in == c) return;
+    if (recorded_in != nullptr)
+      capture_fail(recorded_in, "openreg: a stream cannot wait for an event recorded on a "
+                                "capturing stream (graphs capture a single stream; cross-stream "
+                                "capture is not supported)");
+    capture_fail(c, "openreg: a capturing stream cannot wait for an event recorded outside the "
+                    "capture that has not completed (synchronize before capture_begin)");
+  }
+  // [docs:end CAPTURE_EVENT_BLOCK]
   // The stream's worker waits: work issued on `s` after this waits behind it, the host does not.
   stream_enqueue(s, [e, version] {
     std::unique_lock lock(e->mutex);
@@ -549,5 +618,125 @@ double event_elapsed_ms(const EventPtr& start, const EventPtr& end) {
               "openreg: events have not completed yet; synchronize before elapsed_time");
   return std::chrono::duration<double, std::milli>(end->when - start->when).count();
 }
+
+// ---------------------------------------------------------------- graph capture
+
+std::atomic<int> g_active_captures{0};
+
+namespace {
+std::mutex g_capture_mutex;           // guards g_captures
+std::vector<Capture*> g_captures;     // running captures
+
+const char* mode_name(CaptureMode m) {
+  switch (m) {
+    case CaptureMode::Global: return "global";
+    case CaptureMode::ThreadLocal: return "thread_local";
+    default: return "relaxed";
+  }
+}
+
+// The running capture that forbids an unsafe call made now by this thread, if any.
+Capture* forbidding_capture() {
+  std::lock_guard lock(g_capture_mutex);
+  for (Capture* c : g_captures) {
+    if (c->mode == CaptureMode::Global) return c;
+    if (c->mode == CaptureMode::ThreadLocal && c->thread == std::this_thread::get_id()) return c;
+  }
+  return nullptr;
+}
+}  // namespace
+
+// [docs:start CAPTURE_BEGIN_END]
+void capture_begin(Stream* s, Capture* c) {
+  TORCH_CHECK(s->id() != 0, "openreg: graph capture on the default stream of openreg:",
+              s->device(), " is not allowed; capture on a side stream "
+              "(with torch.Stream(), graph: ...)");
+  TORCH_CHECK(s->capture() == nullptr, "openreg: stream ", s->id(), " of openreg:", s->device(),
+              " is already capturing a graph");
+  stream_synchronize(s);  // the graph starts from an idle stream
+  c->device = s->device();
+  c->stream_id = s->id();
+  c->thread = std::this_thread::get_id();
+  c->work.clear();
+  c->invalidated.clear();
+  {
+    std::lock_guard lock(g_capture_mutex);
+    g_captures.push_back(c);
+  }
+  s->set_capture(c);
+  g_active_captures.fetch_add(1);
+}
+
+void capture_end(Stream* s, Capture* c) {
+  TORCH_CHECK(s->capture() == c, "openreg: capture_end on stream ", s->id(), " of openreg:",
+              s->device(), ", which is not capturing this graph (end the capture on the stream "
+              "and device where it began)");
+  s->set_capture(nullptr);
+  {
+    std::lock_guard lock(g_capture_mutex);
+    g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c));
+  }
+  g_active_captures.fetch_sub(1);
+  // Events recorded into the capture stop pointing at it (the graph may be destroyed first).
+  for (auto& weak : c->events)
+    if (EventPtr e = weak.lock()) {
+      std::lock_guard lock(e->mutex);
+      if (e->captured_by == c) e->captured_by = nullptr;
+    }
+  c->events.clear();
+  TORCH_CHECK(c->invalidated.empty(), "openreg: graph capture was invalidated: ", c->invalidated,
+              " (the graph cannot be replayed; reset() it and capture again)");
+}
+// [docs:end CAPTURE_BEGIN_END]
+
+Capture* stream_capture(const Stream* s) { return s->capture(); }
+
+Capture* capture_for_launch(Stream* s) {
+  if (Capture* c = s->capture()) return c;
+  if (s->id() == 0) {
+    // [docs:start CAPTURE_DEFAULT_STREAM]
+    if (Capture* c = forbidding_capture())
+      capture_fail(c, c10::str("openreg: work on the default stream of openreg:", s->device(),
+                               " while a graph is being captured in ", mode_name(c->mode),
+                               " mode (operation not permitted when stream is capturing; use a "
+                               "side stream, or capture_error_mode=\"relaxed\")"));
+    // [docs:end CAPTURE_DEFAULT_STREAM]
+  }
+  return nullptr;
+}
+
+void capture_record(Capture* c, std::string what, std::function<void()> run) {
+  std::lock_guard lock(c->mutex);
+  c->work.push_back({std::move(what), std::move(run)});
+}
+
+[[noreturn]] void capture_fail(Capture* c, const std::string& message) {
+  {
+    std::lock_guard lock(c->mutex);
+    if (c->invalidated.empty()) c->invalidated = message;
+  }
+  TORCH_CHECK(false, message);
+}
+
+// [docs:start CAPTURE_PERMITS]
+void check_capture_permits(const char* what, int device, const Stream* s) {
+  if (g_active_captures.load(std::memory_order_relaxed) == 0) return;
+  Capture* conflict = nullptr;
+  {
+    std::lock_guard lock(g_capture_mutex);
+    for (Capture* c : g_captures)
+      if (c->device == device && (s == nullptr || c->stream_id == s->id())) conflict = c;
+  }
+  if (conflict != nullptr)  // waiting for the capturing stream itself: never possible
+    capture_fail(conflict, c10::str("openreg: ", what, " is not permitted while stream ",
+                                    conflict->stream_id, " of openreg:", device, " is capturing a "
+                                    "graph (operation not permitted when stream is capturing)"));
+  if (Capture* c = forbidding_capture())
+    capture_fail(c, c10::str("openreg: ", what, " is not permitted while a graph is being "
+                             "captured in ", mode_name(c->mode), " mode (operation not permitted "
+                             "when stream is capturing; capture_error_mode=\"relaxed\" allows "
+                             "it on other streams)"));
+}
+// [docs:end CAPTURE_PERMITS]
 
 }  // namespace openreg

@@ -23,6 +23,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace openreg {
 
@@ -36,6 +38,7 @@ constexpr int kHighestPriority = -(kPriorityLevels - 1);
 constexpr int64_t kStreamsPerDevice = 1 + kPriorityLevels * kPoolSize;
 
 class Stream;
+struct EventState;
 
 Stream* get_stream(int device, int64_t id);  // checks device and id
 int64_t current_stream_id(int device);        // per thread, starts at the default stream
@@ -122,5 +125,56 @@ bool event_query(const EventPtr& e);
 void event_synchronize(const EventPtr& e);
 void event_block(const EventPtr& e, Stream* s);  // the stream waits for the event's last record
 double event_elapsed_ms(const EventPtr& start, const EventPtr& end);
+
+// ---------------------------------------------------------------- graph capture
+// [docs:start CAPTURE_API]
+// A stream in capture mode records the work issued on it instead of running it
+// (adapters/graph.cpp records kernels and copies; docs/graphs.md). `mode` follows
+// torch.accelerator.Graph's capture_error_mode: which unsafe calls (synchronize, blocking
+// copies to the host, .item(), the default stream) are refused while the capture runs.
+enum class CaptureMode { Global, ThreadLocal, Relaxed };
+
+struct CapturedWork {
+  std::string what;             // a readable line for debug_dump
+  std::function<void()> run;    // re-executes the work (on the replaying thread, in order)
+};
+
+struct Capture {
+  int device = 0;
+  int64_t stream_id = 0;
+  CaptureMode mode = CaptureMode::Global;
+  int64_t pool_key = 0;  // allocator key of the graph's private memory pool
+  std::thread::id thread;
+  std::vector<CapturedWork> work;
+  std::string invalidated;  // set by the first refused operation: capture_end then raises
+  std::mutex mutex;         // work may be recorded by an autograd thread on the stream
+  std::vector<std::weak_ptr<EventState>> events;  // recorded into the capture
+};
+
+// Starts/ends recording on `s`. capture_begin refuses the default stream and a stream that is
+// already capturing; capture_end raises if the capture was invalidated.
+void capture_begin(Stream* s, Capture* capture);
+void capture_end(Stream* s, Capture* capture);
+// The capture recording on `s`, or nullptr. One relaxed atomic load when nothing captures.
+Capture* stream_capture(const Stream* s);
+// The capture a kernel launched now on `s` must be recorded into, or nullptr to run it. Refuses
+// (raises) a launch on the default stream while a global-mode capture runs (CUDA's legacy
+// default stream would synchronize with the capturing stream).
+Capture* capture_for_launch(Stream* s);
+extern std::atomic<int> g_active_captures;
+inline Capture* capturing(int device) {
+  if (g_active_captures.load(std::memory_order_relaxed) == 0) return nullptr;
+  return capture_for_launch(current_stream(device));
+}
+// Appends work to a capture (the thread issuing it must be the one whose current stream
+// captures, or an autograd thread running on that stream).
+void capture_record(Capture* capture, std::string what, std::function<void()> run);
+// Raises a clear error (and invalidates the capture it conflicts with) when `what`, an
+// operation that makes the host wait for stream `s` of `device` (s may be nullptr: any/all
+// streams of the device), is not permitted under a capture running now.
+void check_capture_permits(const char* what, int device, const Stream* s);
+// Invalidates `capture` with `message` and raises it.
+[[noreturn]] void capture_fail(Capture* capture, const std::string& message);
+// [docs:end CAPTURE_API]
 
 }  // namespace openreg

@@ -13,6 +13,7 @@ import torch
 
 from torch_openreg import _C
 
+from .graphs import graph, graph_pool_handle, is_current_stream_capturing  # noqa: F401
 from .memory import (  # noqa: F401
     empty_cache,
     host_memory_stats,
