@@ -248,6 +248,19 @@ def test_compiled_code_runs_on_the_current_stream():
     torch.testing.assert_close(result[0].cpu(), host + 1)
 
 
+def test_control_flow_subgraphs():
+    # torch.cond lowers its branches with Inductor's subgraph wrappers.
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: (x * 2).sin(), lambda x: (x - 1).cos(), (x,))
+
+    g = torch.compile(f)
+    x = torch.rand(6, device="openreg:1") + 0.1
+    out, (code,) = run_and_get_code(g, x)
+    assert "with openreg_launch_1: cpp_fused" in code and out.device == x.device
+    torch.testing.assert_close(out.cpu(), f(x.cpu()))
+    torch.testing.assert_close(g(-x).cpu(), f(-x.cpu()))
+
+
 def test_strict_memory_mode():
     result = run_python("""
         import torch
