@@ -261,6 +261,22 @@ def test_control_flow_subgraphs():
     torch.testing.assert_close(g(-x).cpu(), f(-x.cpu()))
 
 
+def test_streams_inside_compiled_region_are_correct():
+    # Side streams inside a compiled function graph-break (docs/compile.md, pitfalls), and the
+    # work still runs in the right order.
+    side = torch.openreg.Stream(device=0)
+
+    def f(x):
+        with torch.openreg.stream(side):
+            y = x * 2
+        torch.openreg.current_stream().wait_stream(side)
+        return y + 1
+
+    x = torch.randn(64, device="openreg:0")
+    out = torch.compile(f)(x)
+    torch.testing.assert_close(out.cpu(), x.cpu() * 2 + 1)
+
+
 def test_strict_memory_mode():
     result = run_python("""
         import torch
