@@ -1,12 +1,17 @@
 """torch.compile: compiled openreg vs compiled CPU vs eager openreg training steps, in one process.
 
-    python benchmarks/compile.py [--rounds R] [--steps N] [--device openreg:0] [workload ...]
+    python benchmarks/compile.py [--rounds R] [--steps N] [--device openreg:0]
+                                 [--backward-on-caller] [workload ...]
 
 The model's forward and loss are compiled with default settings (Inductor; its backward is
 compiled by AOTAutograd); the SGD step is the same eager step in every variant. Rounds
 alternate the variants so that all see the same machine load; the reported time is the median
 over all measured steps. Targets (issue #9): compiled openreg within 1.15x of compiled CPU, and
 faster than eager openreg on the Transformer step.
+
+--backward-on-caller runs backward on the thread that calls it (autograd multithreading off) for
+every variant: it removes the hand-off to openreg's autograd device thread (docs/autograd.md),
+which is the difference between compiled openreg and compiled CPU that is not generated code.
 """
 
 from __future__ import annotations
@@ -60,9 +65,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="openreg:0")
+    parser.add_argument("--backward-on-caller", action="store_true")
     parser.add_argument("workloads", nargs="*",
                         default=["mlp_train_step", "cnn_train_step", "transformer_train_step"])
     args = parser.parse_args()
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)
     variants = {"compiled cpu": ("cpu", True), "compiled openreg": (args.device, True),
                 "eager openreg": (args.device, False)}
     print(f"{'workload':<24}{'compiled cpu':>14}{'compiled openreg':>18}{'eager openreg':>15}"

@@ -248,6 +248,35 @@ def test_compiled_code_runs_on_the_current_stream():
     torch.testing.assert_close(result[0].cpu(), host + 1)
 
 
+def test_control_flow_subgraphs():
+    # torch.cond lowers its branches with Inductor's subgraph wrappers.
+    def f(x):
+        return torch.cond(x.sum() > 0, lambda x: (x * 2).sin(), lambda x: (x - 1).cos(), (x,))
+
+    g = torch.compile(f)
+    x = torch.rand(6, device="openreg:1") + 0.1
+    out, (code,) = run_and_get_code(g, x)
+    assert "with openreg_launch_1: cpp_fused" in code and out.device == x.device
+    torch.testing.assert_close(out.cpu(), f(x.cpu()))
+    torch.testing.assert_close(g(-x).cpu(), f(-x.cpu()))
+
+
+def test_streams_inside_compiled_region_are_correct():
+    # Side streams inside a compiled function graph-break (docs/compile.md, pitfalls), and the
+    # work still runs in the right order.
+    side = torch.openreg.Stream(device=0)
+
+    def f(x):
+        with torch.openreg.stream(side):
+            y = x * 2
+        torch.openreg.current_stream().wait_stream(side)
+        return y + 1
+
+    x = torch.randn(64, device="openreg:0")
+    out = torch.compile(f)(x)
+    torch.testing.assert_close(out.cpu(), x.cpu() * 2 + 1)
+
+
 def test_strict_memory_mode():
     result = run_python("""
         import torch

@@ -227,7 +227,7 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
             self.header.splice(
                 """
                 from torch_openreg._C import _KernelLaunch
-                from torch_openreg.compile import _empty_strided_openreg as empty_strided_openreg
+                from torch_openreg._C import _empty_strided as empty_strided_openreg
                 """,
                 strip=True,
             )
@@ -239,8 +239,9 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
             if device.type != "openreg":
                 return super().make_allocation(name, device, dtype, shape, stride,
                                                allocation_shape, is_pinned)
-            # Through the openreg allocator, on the buffer's own device (the wrapper enters no
-            # device guard for devices Inductor does not know as GPUs).
+            # Through the openreg allocator (csrc/python/module.cpp, EMPTY_STRIDED), on the
+            # buffer's own device: the wrapper enters no device guard for devices Inductor does
+            # not know as GPUs.
             if allocation_shape is None:
                 allocation_shape = shape
             line = (f"{name} = empty_strided_openreg("
@@ -334,11 +335,6 @@ def _source_hash() -> str:
 
     with open(__file__, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def _empty_strided_openreg(size: tuple, stride: tuple, dtype: torch.dtype,
-                           device: int) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device=torch.device("openreg", device))
 
 
 # [docs:start INSTALL]

@@ -12,6 +12,8 @@
 #include "runtime/device.h"
 #include "runtime/stream.h"
 
+#include <ATen/ops/empty_strided.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -95,6 +97,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("_stream_inject_error", [](int device, int64_t stream_id, const std::string& message) {
     openreg::stream_inject_error(openreg::get_stream(device, stream_id), message);
   });
+  // [docs:start EMPTY_STRIDED]
+  // Buffers of generated code (torch_openreg/compile.py): at::empty_strided on the device, i.e.
+  // the same allocator as torch.empty_strided, without its Python argument parsing (the wrapper
+  // of a training step allocates dozens of buffers per call).
+  m.def("_empty_strided", [](const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
+                             py::handle dtype, int device) {
+    if (!THPDtype_Check(dtype.ptr())) throw py::type_error("_empty_strided: dtype must be a torch.dtype");
+    auto options = at::TensorOptions()
+                       .dtype(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)
+                       .device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device));
+    return at::empty_strided(size, stride, options);
+  });
+  // [docs:end EMPTY_STRIDED]
   py::class_<KernelLaunch>(m, "_KernelLaunch")
       .def(py::init([](int device) { return KernelLaunch{device}; }))
       .def_readonly("device", &KernelLaunch::device)
