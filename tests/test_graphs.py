@@ -532,3 +532,15 @@ def test_openreg_graph_context_manager():
     g1.replay()
     g2.replay()
     assert torch.equal(z.cpu(), torch.full((4,), 6.0))
+
+
+def test_query_during_capture():
+    # Querying the capturing stream is refused; other streams can be queried in any mode.
+    other = side_stream()
+    s, g = side_stream(), torch.accelerator.Graph()
+    with s, g:
+        assert other.query()
+    g2 = torch.accelerator.Graph()
+    with pytest.raises(RuntimeError, match="invalidated"):
+        with s, g2:
+            s.query()
