@@ -186,8 +186,8 @@ def test_debug_dump(tmp_path):
     g.debug_dump(str(path))
     text = path.read_text()
     assert "2 nodes" in text.splitlines()[0]
-    assert re.search(r"^0: aten::mm\(Float\[3, 4\]@openreg:0", text, re.M)
-    assert re.search(r"^1: aten::relu\(Float\[3, 3\]", text, re.M)
+    assert re.search(r"^0: aten::mm.out\(Float\[3, 4\]@openreg:0.*, out=Float\[3, 3\]", text, re.M)
+    assert re.search(r"^1: aten::relu.out\(Float\[3, 3\]@openreg:0.*, out=Float\[3, 3\]", text, re.M)
     g.replay()
     assert torch.equal(y.cpu(), torch.relu(x.cpu() @ x.cpu().t()))
 
