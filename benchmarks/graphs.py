@@ -1,7 +1,10 @@
 """A captured MLP training step replayed, against the same step run eagerly, on openreg
 (docs/graphs.md). The CPU's eager step is printed as the reference.
 
-    PYTHONPATH=. python benchmarks/graphs.py [--rounds R] [--steps N] [--batch B]
+    PYTHONPATH=. python benchmarks/graphs.py [--rounds R] [--steps N] [--batch B] [--threads T]
+
+On a loaded machine run with --threads 1 (or OMP_NUM_THREADS=1): with several OpenMP threads per
+kernel, contention for the cores makes every step time bimodal, for the CPU and openreg alike.
 
 The model is the README's MLP (784-256-256-10, SGD with momentum, cross entropy). The graph is
 captured once with PyTorch's "whole network capture" recipe (static input and target; forward,
@@ -78,7 +81,10 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     args = p.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     sync = torch.openreg.synchronize
     cpu = eager_step("cpu", args.batch)
     eager = eager_step("openreg", args.batch)
@@ -91,8 +97,8 @@ def main():
         results["openreg eager"] += measure(eager, args.steps, sync)
         results["openreg replay"] += measure(replay, args.steps, sync)
     base = statistics.median(results["openreg eager"])
-    print(f"MLP 784-256-256-10 training step, batch {args.batch}, SGD momentum; "
-          f"{args.rounds} rounds x {args.steps} steps, medians")
+    print(f"MLP 784-256-256-10 training step, batch {args.batch}, SGD momentum, "
+          f"{torch.get_num_threads()} threads; {args.rounds} rounds x {args.steps} steps, medians")
     for name, times in results.items():
         m = statistics.median(times)
         print(f"  {name:15s} {m * 1e3:7.3f} ms   {m / base:5.2f}x openreg eager")

@@ -186,8 +186,8 @@ def test_debug_dump(tmp_path):
     g.debug_dump(str(path))
     text = path.read_text()
     assert "2 nodes" in text.splitlines()[0]
-    assert re.search(r"^0: aten::mm\(Float\[3, 4\]@openreg:0", text, re.M)
-    assert re.search(r"^1: aten::relu\(Float\[3, 3\]", text, re.M)
+    assert re.search(r"^0: aten::mm.out\(Float\[3, 4\]@openreg:0.*, out=Float\[3, 3\]", text, re.M)
+    assert re.search(r"^1: aten::relu.out\(Float\[3, 3\]@openreg:0.*, out=Float\[3, 3\]", text, re.M)
     g.replay()
     assert torch.equal(y.cpu(), torch.relu(x.cpu() @ x.cpu().t()))
 
@@ -532,3 +532,15 @@ def test_openreg_graph_context_manager():
     g1.replay()
     g2.replay()
     assert torch.equal(z.cpu(), torch.full((4,), 6.0))
+
+
+def test_query_during_capture():
+    # Querying the capturing stream is refused; other streams can be queried in any mode.
+    other = side_stream()
+    s, g = side_stream(), torch.accelerator.Graph()
+    with s, g:
+        assert other.query()
+    g2 = torch.accelerator.Graph()
+    with pytest.raises(RuntimeError, match="invalidated"):
+        with s, g2:
+            s.query()

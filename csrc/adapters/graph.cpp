@@ -21,6 +21,9 @@
 
 #include <atomic>
 #include <fstream>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
 #include <sstream>
 
 namespace openreg {
@@ -122,6 +125,47 @@ at::Tensor allocate_like_meta(const at::Tensor& m, int device) {
   return at::empty_strided(m.sizes(), m.strides(),
                            m.options().device(c10::Device(kOpenReg, device)));
 }
+
+// [docs:start OUT_VARIANT]
+// The out= overload of a functional operator (add.Tensor -> add.out), when its arguments are the
+// functional ones followed by one out= tensor per result: a replay then writes the results in
+// place instead of allocating them and copying them over.
+std::optional<c10::OperatorHandle> out_variant(const c10::OperatorHandle& op, size_t num_results) {
+  static std::mutex mutex;
+  static std::unordered_map<const c10::FunctionSchema*, std::optional<c10::OperatorHandle>> cache;
+  const auto& schema = op.schema();
+  std::lock_guard lock(mutex);
+  auto it = cache.find(&schema);
+  if (it != cache.end()) return it->second;
+  std::optional<c10::OperatorHandle> found;
+  const std::string& overload = schema.overload_name();
+  for (const std::string& candidate : {overload.empty() ? std::string("out") : overload + "_out",
+                                       std::string("out")}) {
+    auto h = c10::Dispatcher::singleton().findSchema({schema.name(), candidate});
+    if (!h || !(h->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+                h->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)))
+      continue;
+    const auto& out = h->schema();
+    const size_t n = schema.arguments().size();
+    bool ok = out.arguments().size() == n + num_results &&
+              out.returns().size() == num_results;
+    for (size_t i = 0; ok && i < n; ++i)
+      ok = out.arguments()[i].name() == schema.arguments()[i].name() &&
+           *out.arguments()[i].type() == *schema.arguments()[i].type();
+    for (size_t i = n; ok && i < n + num_results; ++i) {
+      const auto* alias = out.arguments()[i].alias_info();
+      ok = alias != nullptr && alias->isWrite() && out.arguments()[i].kwarg_only() &&
+           out.arguments()[i].type()->kind() == c10::TypeKind::TensorType;
+    }
+    if (ok) {
+      found = *h;
+      break;
+    }
+  }
+  cache.emplace(&schema, found);
+  return found;
+}
+// [docs:end OUT_VARIANT]
 
 }  // namespace
 
@@ -268,6 +312,33 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
   for (int r : fresh) {
     if (on == ReplayOn::PrivateUse1) targets.push_back(results[r]);
     else targets.push_back(replay_arg(results[r], ReplayOn::Cpu));
+  }
+
+  // Functional operator with only tensor results: replay its out= overload into the targets.
+  std::optional<c10::OperatorHandle> out_op;
+  if (on == ReplayOn::Cpu && fresh.size() == num_returns && num_returns > 0) {
+    bool tensors = true;
+    for (int r : fresh) tensors &= results[r].isTensor() && results[r].toTensor().defined();
+    if (tensors) out_op = out_variant(op, num_returns);
+  }
+  if (out_op) {
+    for (const auto& t : targets) replay_args.push_back(t);
+    std::string what = c10::str(out_op->schema().operator_name());
+    std::string a;
+    for (const auto& v : args) a += (a.empty() ? "" : ", ") + describe(v);
+    std::string rs;
+    for (const auto& v : results) rs += (rs.empty() ? "" : ", ") + describe(v);
+    what += "(" + a + ", out=" + rs + ")";
+    capture_record(capture, std::move(what),
+                   [op = *out_op, replay_args = std::move(replay_args),
+                    generators = std::move(generators), device]() {
+      c10::Stack s(replay_args.begin(), replay_args.end());
+      for (const auto& [i, gen] : generators) s[i] = cpu_generator_for(gen, device);
+      KernelScope kernel;
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
+    });
+    for (auto& v : results) stack->push_back(std::move(v));
+    return;
   }
 
   std::string what = c10::str(schema.operator_name());

@@ -219,7 +219,8 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const int device = check.device;
   // [docs:start FALLBACK_CAPTURE]
   // A stream capturing a graph records the operator instead of running it (adapters/graph.cpp).
-  if (Capture* capture = capturing(device)) return capture_op(capture, op, stack, device, ReplayOn::Cpu);
+  if (Capture* capture = capturing(device))
+    return capture_op(capture, op, stack, device, ReplayOn::Cpu);
   // [docs:end FALLBACK_CAPTURE]
 
   HostKernel kernel(device);

@@ -328,7 +328,12 @@ void stream_enqueue(Stream* s, std::function<void()> task) {
 
 bool stream_query(Stream* s) {
   check_not_forked();
-  check_capture_permits("querying a stream", s->device(), s);
+  // Querying the capturing stream itself has no answer (its work has not run); other streams
+  // can be queried: a query never makes the host wait.
+  if (Capture* c = s->capture())
+    capture_fail(c, c10::str("openreg: querying stream ", s->id(), " of openreg:", s->device(),
+                             " while it is capturing a graph is not permitted (operation not "
+                             "permitted when stream is capturing)"));
   s->rethrow_async_error();
   return s->idle();
 }
