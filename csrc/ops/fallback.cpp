@@ -29,65 +29,34 @@ namespace {
 
 constexpr auto kOpenReg = c10::DeviceType::PrivateUse1;
 
-enum class Kind : uint8_t { Other, Tensor, TensorList, OptionalTensorList, Generator, Device };
-
-// What the fallback needs to know about an operator's schema, computed once per operator.
-struct Summary {
-  std::vector<Kind> kinds;
-  std::vector<bool> writes;
-  bool any_writes = false;
-  bool has_generator = false;
-  // Index operators accept CPU index tensors with device tensors, as on CUDA.
-  bool cpu_tensors_allowed = false;
-};
-
-Kind kind_of(const c10::TypePtr& type) {
+ArgKind kind_of(const c10::TypePtr& type) {
   const c10::Type* t = type.get();
   if (t->kind() == c10::TypeKind::OptionalType)
     t = t->castRaw<c10::OptionalType>()->getElementType().get();
   switch (t->kind()) {
     case c10::TypeKind::TensorType:
-      return Kind::Tensor;
+      return ArgKind::Tensor;
     case c10::TypeKind::GeneratorType:
-      return Kind::Generator;
+      return ArgKind::Generator;
     case c10::TypeKind::DeviceObjType:
-      return Kind::Device;
+      return ArgKind::Device;
     case c10::TypeKind::ListType: {
       const auto& elem = t->castRaw<c10::ListType>()->getElementType();
-      if (elem->kind() == c10::TypeKind::TensorType) return Kind::TensorList;
+      if (elem->kind() == c10::TypeKind::TensorType) return ArgKind::TensorList;
       if (elem->kind() == c10::TypeKind::OptionalType &&
           elem->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType)
-        return Kind::OptionalTensorList;
-      return Kind::Other;
+        return ArgKind::OptionalTensorList;
+      return ArgKind::Other;
     }
     default:
-      return Kind::Other;
+      return ArgKind::Other;
   }
-}
-
-const Summary& summary(const c10::OperatorHandle& op) {
-  thread_local std::unordered_map<const c10::FunctionSchema*, Summary> cache;
-  const auto& schema = op.schema();
-  auto it = cache.find(&schema);
-  if (it != cache.end()) return it->second;
-  Summary s;
-  for (const auto& arg : schema.arguments()) {
-    s.kinds.push_back(kind_of(arg.type()));
-    s.writes.push_back(arg.alias_info() != nullptr && arg.alias_info()->isWrite());
-    s.any_writes |= s.writes.back();
-    s.has_generator |= s.kinds.back() == Kind::Generator;
-  }
-  const auto& name = schema.name();
-  s.cpu_tensors_allowed = name == "aten::index" || name == "aten::index_put_" ||
-                          name == "aten::_index_put_impl_" || name == "aten::index_put" ||
-                          name == "aten::_unsafe_index" || name == "aten::_unsafe_index_put";
-  return cache.emplace(&schema, std::move(s)).first->second;
 }
 
 // Finds the operator's device and rejects tensors a real device could not use together.
 struct DeviceCheck {
   const c10::OperatorHandle& op;
-  const Summary& s;
+  const ArgSummary& s;
   int device = -1;
   const at::Tensor* host_tensor = nullptr;
 
@@ -118,11 +87,11 @@ struct DeviceCheck {
       bool openreg_generator = false;
       for (size_t i = 0; i < s.kinds.size(); ++i) {
         const auto& v = stack[first + i];
-        if (s.kinds[i] == Kind::Device && v.isDevice() && v.toDevice().type() == kOpenReg) {
+        if (s.kinds[i] == ArgKind::Device && v.isDevice() && v.toDevice().type() == kOpenReg) {
           auto d = v.toDevice();
           device = d.has_index() ? d.index() : current_device();
         }
-        if (s.kinds[i] == Kind::Generator && v.isGenerator() &&
+        if (s.kinds[i] == ArgKind::Generator && v.isGenerator() &&
             v.toGenerator().device().type() == kOpenReg)
           openreg_generator = true;
       }
@@ -141,22 +110,6 @@ struct DeviceCheck {
   }
 };
 
-// [docs:start ERROR_CONTEXT_SWITCH]
-// Errors of CPU kernels reach the user unchanged: the CPU's exception type and message, which
-// device-generic test suites compare across devices. OPENREG_ERROR_CONTEXT=1 (read once, when
-// torch_openreg._C loads) appends where the error came from, for people debugging the backend:
-// "... (while running aten::mm on openreg:0 with its CPU kernel)".
-const bool error_context_enabled = [] {
-  const char* env = std::getenv("OPENREG_ERROR_CONTEXT");
-  return env != nullptr && env[0] != '\0' && std::string_view(env) != "0";
-}();
-
-void add_context(c10::Error& e, const c10::OperatorHandle& op, int device) {
-  if (!error_context_enabled) return;
-  e.add_context(c10::str("while running ", op.schema().operator_name(), " on openreg:", device,
-                         " with its CPU kernel"));
-}
-// [docs:end ERROR_CONTEXT_SWITCH]
 
 // [docs:start STRIDED_RESULTS]
 // The fallback can only give back strided tensors: a kernel returning another layout (sparse
@@ -191,30 +144,14 @@ void refuse_quantized(const c10::OperatorHandle& op, c10::Stack*) {
 // [docs:end QUANTIZED_REFUSED]
 
 void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
-  const Summary& s = summary(op);
+  const ArgSummary& s = arg_summary(op);
   const size_t num_args = s.kinds.size();
   const size_t first = stack->size() - num_args;
 
   DeviceCheck check{op, s};
-  for (size_t i = 0; i < num_args; ++i) {
-    const c10::IValue& v = (*stack)[first + i];
-    switch (s.kinds[i]) {
-      case Kind::Tensor:
-        if (v.isTensor()) check.visit(v.toTensor(), s.writes[i]);
-        break;
-      case Kind::TensorList:
-        if (v.isTensorList())
-          for (const at::Tensor& t : v.toTensorList()) check.visit(t, s.writes[i]);
-        break;
-      case Kind::OptionalTensorList:
-        if (v.isList())
-          for (const c10::IValue& e : v.toListRef())
-            if (e.isTensor()) check.visit(e.toTensor(), s.writes[i]);
-        break;
-      default:
-        break;
-    }
-  }
+  for (size_t i = 0; i < num_args; ++i)
+    for_each_tensor((*stack)[first + i], s.kinds[i],
+                    [&](const at::Tensor& t) { check.visit(t, s.writes[i]); });
   check.finish(*stack, first);
   const int device = check.device;
   // [docs:start FALLBACK_CAPTURE]
@@ -232,47 +169,8 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   auto to_cpu = [&](const at::Tensor& t) {
     return t.defined() && t.device().type() == kOpenReg ? kernel.alias(t) : t;
   };
-  for (size_t i = 0; i < num_args; ++i) {
-    c10::IValue& v = (*stack)[first + i];
-    switch (s.kinds[i]) {
-      case Kind::Tensor:
-        if (v.isTensor()) v = to_cpu(v.toTensor());
-        break;
-      case Kind::TensorList:
-        if (v.isTensorList()) {
-          auto list = v.toTensorList();
-          c10::List<at::Tensor> cpu;
-          cpu.reserve(list.size());
-          for (const at::Tensor& t : list) cpu.push_back(to_cpu(t));
-          v = std::move(cpu);
-        }
-        break;
-      case Kind::OptionalTensorList:
-        if (v.isList()) {
-          c10::List<std::optional<at::Tensor>> cpu;
-          for (const c10::IValue& e : v.toListRef())
-            cpu.push_back(e.isTensor() ? std::optional<at::Tensor>(to_cpu(e.toTensor()))
-                                       : std::nullopt);
-          v = std::move(cpu);
-        }
-        break;
-      // [docs:start FALLBACK_GENERATOR]
-      case Kind::Generator: {
-        // CPU kernels draw from a CPU generator: hand them the one inside the openreg generator
-        // (the one passed as generator=, or the device's default generator for None).
-        std::optional<at::Generator> gen;
-        if (v.isGenerator()) gen = v.toGenerator();
-        v = cpu_generator_for(gen, device);
-        break;
-      }
-      // [docs:end FALLBACK_GENERATOR]
-      case Kind::Device:
-        if (v.isDevice() && v.toDevice().type() == kOpenReg) v = c10::Device(c10::DeviceType::CPU);
-        break;
-      default:
-        break;
-    }
-  }
+  // Device tensors become CPU aliases, generators the CPU ones inside the device's (fallback.h).
+  arguments_to_cpu(*stack, first, s, device, to_cpu);
 
   // Arguments written in place (including out= arguments a kernel resized) keep their device
   // tensor; carry over any change of size or memory. Also when the kernel fails: the CPU's
@@ -297,13 +195,13 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
                                   "openreg kernel and no CPU kernel for the fallback to run.");
     }
     sync_written();
-    add_context(e, op, device);
+    add_error_context(e, op, device);
     throw;
   } catch (c10::Error& e) {
     // The CPU kernel's own error: `throw;` keeps the exception's type (IndexError, ValueError,
     // TypeError, ...) and message; the context is added only if OPENREG_ERROR_CONTEXT=1.
     sync_written();
-    add_context(e, op, device);
+    add_error_context(e, op, device);
     throw;
   }
   // [docs:end ERROR_CONTEXT]
@@ -339,6 +237,47 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 }
 
 }  // namespace
+
+const ArgSummary& arg_summary(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, ArgSummary> cache;
+  const auto& schema = op.schema();
+  auto it = cache.find(&schema);
+  if (it != cache.end()) return it->second;
+  ArgSummary s;
+  for (const auto& arg : schema.arguments()) {
+    s.kinds.push_back(kind_of(arg.type()));
+    s.writes.push_back(arg.alias_info() != nullptr && arg.alias_info()->isWrite());
+    s.any_writes |= s.writes.back();
+    s.has_generator |= s.kinds.back() == ArgKind::Generator;
+  }
+  const auto& name = schema.name();
+  s.cpu_tensors_allowed = name == "aten::index" || name == "aten::index_put_" ||
+                          name == "aten::_index_put_impl_" || name == "aten::index_put" ||
+                          name == "aten::_unsafe_index" || name == "aten::_unsafe_index_put";
+  return cache.emplace(&schema, std::move(s)).first->second;
+}
+
+// [docs:start ERROR_CONTEXT_SWITCH]
+// Errors of CPU kernels reach the user unchanged: the CPU's exception type and message, which
+// device-generic test suites compare across devices. OPENREG_ERROR_CONTEXT=1 (read once, when
+// torch_openreg._C loads) appends where the error came from, for people debugging the backend:
+// "... (while running aten::mm on openreg:0 with its CPU kernel)".
+static const bool error_context_enabled = [] {
+  const char* env = std::getenv("OPENREG_ERROR_CONTEXT");
+  return env != nullptr && env[0] != '\0' && std::string_view(env) != "0";
+}();
+
+void add_error_context(c10::Error& e, const c10::OperatorHandle& op, int device,
+                       const char* layout) {
+  if (!error_context_enabled) return;
+  if (layout == nullptr)
+    e.add_context(c10::str("while running ", op.schema().operator_name(), " on openreg:", device,
+                           " with its CPU kernel"));
+  else
+    e.add_context(c10::str("while running ", op.schema().operator_name(), " on openreg:", device,
+                           " (layout ", layout, ") with its CPU kernel"));
+}
+// [docs:end ERROR_CONTEXT_SWITCH]
 
 void generic_fallback(const c10::OperatorHandle& op, c10::Stack* stack) { fallback(op, stack); }
 

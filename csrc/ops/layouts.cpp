@@ -15,6 +15,7 @@
 // openreg tensors of the same layout whose dense parts are device memory (ops/cpu_kernel.h).
 #include "adapters/generator.h"
 #include "ops/cpu_kernel.h"
+#include "ops/fallback.h"
 #include "runtime/device.h"
 
 #include <ATen/NestedTensorImpl.h>
@@ -210,38 +211,6 @@ class LayoutSession {
   c10::SmallVector<Twin, 2> twins_;
 };
 
-enum class Kind : uint8_t { Other, Tensor, TensorList, OptionalTensorList, Generator, Device };
-
-Kind kind_of(const c10::TypePtr& type) {
-  const c10::Type* t = type.get();
-  if (t->kind() == c10::TypeKind::OptionalType)
-    t = t->castRaw<c10::OptionalType>()->getElementType().get();
-  switch (t->kind()) {
-    case c10::TypeKind::TensorType: return Kind::Tensor;
-    case c10::TypeKind::GeneratorType: return Kind::Generator;
-    case c10::TypeKind::DeviceObjType: return Kind::Device;
-    case c10::TypeKind::ListType: {
-      const auto& elem = t->castRaw<c10::ListType>()->getElementType();
-      if (elem->kind() == c10::TypeKind::TensorType) return Kind::TensorList;
-      if (elem->kind() == c10::TypeKind::OptionalType &&
-          elem->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType)
-        return Kind::OptionalTensorList;
-      return Kind::Other;
-    }
-    default: return Kind::Other;
-  }
-}
-
-template <typename F>
-void for_each_tensor(const c10::IValue& v, Kind kind, F&& f) {
-  if (kind == Kind::Tensor && v.isTensor()) f(v.toTensor());
-  else if (kind == Kind::TensorList && v.isTensorList())
-    for (const at::Tensor& t : v.toTensorList()) f(t);
-  else if (kind == Kind::OptionalTensorList && v.isList())
-    for (const c10::IValue& e : v.toListRef())
-      if (e.isTensor()) f(e.toTensor());
-}
-
 // Operators that read CPU tensors beside openreg ones, as on CUDA: nested metadata (sizes,
 // strides, offsets) always lives on the CPU, and the copies copy between devices.
 bool takes_cpu_tensors(std::string_view name) {
@@ -258,8 +227,7 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t first = stack->size() - num_args;
-  c10::SmallVector<Kind, 8> kinds;
-  for (const auto& arg : schema.arguments()) kinds.push_back(kind_of(arg.type()));
+  const ArgSummary& s = arg_summary(op);
 
   // The device, checked as the dense fallback checks it: one openreg device, no CPU tensors
   // except 0-dim ones (scalars) and where CUDA takes them too.
@@ -267,9 +235,8 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   const at::Tensor* layout_arg = nullptr;
   const bool cpu_ok = takes_cpu_tensors(schema.name());
   for (size_t i = 0; i < num_args; ++i) {
-    const auto* alias_info = schema.arguments()[i].alias_info();
-    const bool written_arg = alias_info != nullptr && alias_info->isWrite();
-    for_each_tensor((*stack)[first + i], kinds[i], [&](const at::Tensor& t) {
+    const bool written_arg = s.writes[i];
+    for_each_tensor((*stack)[first + i], s.kinds[i], [&](const at::Tensor& t) {
       if (!t.defined()) return;
       if (layout_arg == nullptr && is_layout_tensor(t)) layout_arg = &t;
       if (t.device().type() == kOpenReg) {
@@ -286,7 +253,8 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       }
     });
     const c10::IValue& v = (*stack)[first + i];
-    if (kinds[i] == Kind::Device && v.isDevice() && v.toDevice().type() == kOpenReg && device < 0)
+    if (s.kinds[i] == ArgKind::Device && v.isDevice() && v.toDevice().type() == kOpenReg &&
+        device < 0)
       device = v.toDevice().has_index() ? v.toDevice().index() : current_device();
   }
   if (device < 0) device = current_device();
@@ -295,45 +263,10 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 
   LayoutSession session(device);
   c10::SmallVector<c10::IValue, 2> written;
-  for (size_t i = 0; i < num_args; ++i) {
-    const auto* alias = schema.arguments()[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) written.push_back((*stack)[first + i]);
-  }
-  for (size_t i = 0; i < num_args; ++i) {
-    c10::IValue& v = (*stack)[first + i];
-    switch (kinds[i]) {
-      case Kind::Tensor:
-        if (v.isTensor()) v = session.to_cpu(v.toTensor());
-        break;
-      case Kind::TensorList:
-        if (v.isTensorList()) {
-          c10::List<at::Tensor> cpu;
-          for (const at::Tensor& t : v.toTensorList()) cpu.push_back(session.to_cpu(t));
-          v = std::move(cpu);
-        }
-        break;
-      case Kind::OptionalTensorList:
-        if (v.isList()) {
-          c10::List<std::optional<at::Tensor>> cpu;
-          for (const c10::IValue& e : v.toListRef())
-            cpu.push_back(e.isTensor() ? std::optional<at::Tensor>(session.to_cpu(e.toTensor()))
-                                       : std::nullopt);
-          v = std::move(cpu);
-        }
-        break;
-      case Kind::Generator: {
-        std::optional<at::Generator> gen;
-        if (v.isGenerator()) gen = v.toGenerator();
-        v = cpu_generator_for(gen, device);
-        break;
-      }
-      case Kind::Device:
-        if (v.isDevice() && v.toDevice().type() == kOpenReg) v = c10::Device(c10::kCPU);
-        break;
-      default:
-        break;
-    }
-  }
+  for (size_t i = 0; i < num_args; ++i)
+    if (s.writes[i]) written.push_back((*stack)[first + i]);
+  arguments_to_cpu(*stack, first, s, device,
+                   [&](const at::Tensor& t) { return session.to_cpu(t); });
 
   // [docs:start LAYOUT_CALL]
   // The arguments are CPU tensors now: a full dispatch picks the CPU kernel of their layout
@@ -346,8 +279,7 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
                                 ": it has no CPU kernel for that layout to run on device "
                                 "memory (", e.msg(), ")");
   } catch (c10::Error& e) {
-    e.add_context(c10::str("while running ", schema.operator_name(), " on openreg:", device,
-                           " (layout ", layout, ") with its CPU kernel"));
+    add_error_context(e, op, device, layout);  // the CPU's error, unchanged by default
     throw;
   }
   // [docs:end LAYOUT_CALL]
