@@ -145,3 +145,14 @@ def test_autograd_profiler_use_device(use_kineto):
     assert 0 < mms[0].device_time_total and 5 * mms[0].device_time_total < mms[1].device_time_total
     table = prof.key_averages().table(sort_by="device_time_total")
     assert "OPENREG total" in table
+
+
+def test_profile_memory_records_device_allocations_and_frees():
+    with profile(activities=DEVICE_ACTIVITIES, profile_memory=True) as prof:
+        x = torch.empty(1 << 20, device="openreg")  # 4 MiB
+        del x
+    [empty] = [e for e in prof.events() if e.name == "aten::empty"]
+    assert empty.device_memory_usage == 4 << 20
+    assert empty.cpu_memory_usage == 0
+    frees = [e for e in prof.events() if e.name == "[memory]" and e.device_memory_usage < 0]
+    assert [e.device_memory_usage for e in frees] == [-(4 << 20)]
