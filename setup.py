@@ -7,6 +7,7 @@ import os
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
 from setuptools import setup  # noqa: E402
+import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +50,9 @@ setup(
         CppExtension(
             name="torch_openreg._C",
             sources=sources(),
-            include_dirs=[os.path.join(ROOT, "csrc"), ROOT],
+            # torch/include/kineto: the Kineto plugin headers (csrc/adapters/profiler.cpp)
+            include_dirs=[os.path.join(ROOT, "csrc"), ROOT,
+                          os.path.join(os.path.dirname(torch.__file__), "include", "kineto")],
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
                                 "-fopenmp-simd"],
         )

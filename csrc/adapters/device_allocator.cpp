@@ -132,8 +132,21 @@ class DeviceCache {
     update(stats_, &DeviceStats::allocated_bytes, small, block->size);
     update(stats_, &DeviceStats::active_bytes, small, block->size);
     update(stats_, &DeviceStats::requested_bytes, small, requested);
+    report_to_profiler(block->ptr, int64_t(block->size));
     return block;
   }
+
+  // [docs:start PROFILE_MEMORY]
+  // torch.profiler's profile_memory=True: every allocation and free of a block, with the device's
+  // allocated and reserved totals after it (docs/profiler.md).
+  void report_to_profiler(void* ptr, int64_t delta) {
+    if (!c10::memoryProfilingEnabled()) return;
+    c10::reportMemoryUsageToProfiler(
+        ptr, delta, size_t(stats_.allocated_bytes[size_t(StatType::AGGREGATE)].current),
+        size_t(stats_.reserved_bytes[size_t(StatType::AGGREGATE)].current),
+        c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_)));
+  }
+  // [docs:end PROFILE_MEMORY]
 
   bool free(void* ptr) {
     std::lock_guard lock(mutex_);
@@ -145,6 +158,7 @@ class DeviceCache {
     update(stats_, &DeviceStats::allocation, block->small, -1);
     update(stats_, &DeviceStats::allocated_bytes, block->small, -int64_t(block->size));
     update(stats_, &DeviceStats::requested_bytes, block->small, -int64_t(block->requested));
+    report_to_profiler(block->ptr, -int64_t(block->size));
     // [docs:start FREE_RECORD_STREAM]
     if (!block->stream_uses.empty()) {
       // The block may still be read or written by work queued on those streams: reuse it

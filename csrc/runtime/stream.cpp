@@ -414,6 +414,28 @@ bool stream_release(const std::shared_ptr<StreamHold>& hold) {
 }
 // [docs:end STREAM_HOLD]
 
+// [docs:start PROFILER_TIMING]
+namespace {
+std::atomic<ActivityRecorder*> g_recorder{nullptr};
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// What this thread's current outermost launch is, for the recorder.
+struct LaunchKind {
+  ActivityKind kind = ActivityKind::Kernel;
+  size_t bytes = 0;
+};
+thread_local LaunchKind t_launch_kind;
+}  // namespace
+
+void set_activity_recorder(ActivityRecorder* recorder) { g_recorder.store(recorder); }
+
+void mark_launch_as_copy(ActivityKind kind, size_t bytes) { t_launch_kind = {kind, bytes}; }
+// [docs:end PROFILER_TIMING]
+
 // [docs:start LAUNCH_SCOPE_IMPL]
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   check_not_forked();
@@ -427,10 +449,19 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   s->begin_kernel();
   push_held(s);
   stream_ = s;
+  if (g_recorder.load(std::memory_order_relaxed) != nullptr) {
+    t_launch_kind = {};
+    start_ns_ = wall_ns();  // the stream is ours from now on: the kernel starts on the device
+  }
 }
 
 LaunchScope::~LaunchScope() {
   if (stream_ == nullptr) return;
+  ActivityRecorder* recorder = g_recorder.load(std::memory_order_relaxed);
+  if (recorder != nullptr && start_ns_ != 0) {
+    recorder->record({t_launch_kind.kind, stream_->device(), stream_->id(), start_ns_, wall_ns(),
+                      t_launch_kind.bytes, recorder->correlation()});
+  }
   pop_held(stream_);
   stream_->end_kernel();
 }
@@ -453,18 +484,26 @@ void enqueue_copy(Stream* s, bool host_to_device, size_t nbytes, std::function<v
   auto& d = all_streams()[s->device()];
   CopyEngine* engine = host_to_device ? &d.to_device : &d.to_host;
   const int priority = stream_priority(s->id());
-  stream_enqueue(s, [engine, priority, nbytes, copy = std::move(copy)] {
+  ActivityRecorder* recorder = g_recorder.load(std::memory_order_relaxed);
+  const uint64_t correlation = recorder != nullptr ? recorder->correlation() : 0;
+  stream_enqueue(s, [s, engine, priority, nbytes, host_to_device, correlation,
+                     copy = std::move(copy)] {
     engine->acquire(priority);
     struct Release {
       CopyEngine* engine;
       ~Release() { engine->release(); }
     } release{engine};
+    const int64_t start_ns = wall_ns();  // the engine is ours: the transfer starts
     CopyTiming timing = copy_timing();
     double us = timing.latency_us;
     if (timing.bandwidth_gbps > 0) us += double(nbytes) / (timing.bandwidth_gbps * 1e3);
     // The transfer is in flight for its simulated duration; its data lands at the end.
     wait_until(Clock::now() + std::chrono::nanoseconds(int64_t(us * 1e3)));
     copy();
+    if (ActivityRecorder* r = g_recorder.load(std::memory_order_relaxed)) {
+      r->record({host_to_device ? ActivityKind::CopyHtoD : ActivityKind::CopyDtoH, s->device(),
+                 s->id(), start_ns, wall_ns(), nbytes, correlation});
+    }
   });
 }
 // [docs:end ENQUEUE_COPY]

@@ -98,8 +98,39 @@ class LaunchScope {
 
  private:
   Stream* stream_;  // nullptr when nested
+  int64_t start_ns_ = 0;  // when the stream started running it (profiling only)
 };
 // [docs:end LAUNCH_SCOPE]
+
+// [docs:start ACTIVITY_RECORDER]
+// The profiler's view of the device (docs/profiler.md, csrc/adapters/profiler.cpp). While a
+// recorder is installed, the runtime reports every piece of device work with the interval during
+// which the device ran it, measured here: a kernel (an outermost LaunchScope) from the moment its
+// stream was free and held for it to the moment it released it; an asynchronous copy from the
+// moment its copy engine took it to the moment its data landed.
+enum class ActivityKind : uint8_t { Kernel, CopyHtoD, CopyDtoH, CopyDtoD };
+struct DeviceActivity {
+  ActivityKind kind;
+  int device;
+  int64_t stream;       // stream id on the device
+  int64_t start_ns;     // wall clock (CLOCK_REALTIME, ns), as the profiler's CPU events
+  int64_t end_ns;
+  size_t bytes;         // copies only
+  uint64_t correlation; // the profiler's id of the CPU op that issued the work, 0 if none
+};
+class ActivityRecorder {
+ public:
+  virtual ~ActivityRecorder() = default;
+  // Called on the thread that issues the work, when it is issued.
+  virtual uint64_t correlation() = 0;
+  // Called when the work has run (on the issuing thread or on the stream's worker).
+  virtual void record(const DeviceActivity& activity) = 0;
+};
+// nullptr turns recording off. The recorder must stay alive as long as the process.
+void set_activity_recorder(ActivityRecorder* recorder);
+// Inside a LaunchScope: reports this thread's current launch as a copy of `bytes`.
+void mark_launch_as_copy(ActivityKind kind, size_t bytes);
+// [docs:end ACTIVITY_RECORDER]
 
 // Simulated copy engines, used by asynchronous (non_blocking) copies between pinned host memory
 // and a device. A copy occupies its device's engine for that direction for
