@@ -20,13 +20,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import SmallCNN, SmallTransformer, _train_step  # noqa: E402
+from workloads import SmallCNN, SmallTransformer, _train_step, measure  # noqa: E402
 
 
 def build(name: str, device: str, compiled: bool):
@@ -49,15 +48,6 @@ def build(name: str, device: str, compiled: bool):
     model.to(device)
     run = torch.compile(model) if compiled else model
     return _train_step(run, x.to(device), y.to(device), loss_fn)
-
-
-def measure(step, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> int:

@@ -19,21 +19,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import WORKLOADS  # noqa: E402
-
-
-def measure(step, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
+from workloads import WORKLOADS, measure  # noqa: E402
 
 
 def bench(name: str, device: str, rounds: int, steps: int, phases: dict) -> tuple[float, float]:

@@ -12,6 +12,16 @@ from torch import nn
 Step = Callable[[], None]
 
 
+def measure(step: Callable[[], object], n: int) -> list[float]:
+    """Wall time of each of n calls of step, in seconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def tiny_adds(device: str, n: int = 100) -> Step:
     """A loop of `n` adds on 4-element tensors: the per-operator overhead."""
     x = torch.ones(4, device=device)
