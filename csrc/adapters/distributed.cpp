@@ -308,33 +308,39 @@ class OcclBackend : public Backend {
   void shutdown() override { gloo_->shutdown(); }
 
   // [docs:start OCCL_ALLREDUCE]
-  c10::intrusive_ptr<Work> allreduce(TensorList& tensors,
-                                     const c10d::AllreduceOptions& opts) override {
+  // allreduce and allreduce_coalesced: gloo reduces the aliases of the device memory in place;
+  // the reductions gloo lacks are made of one it has (PREMUL_SUM: scale, then SUM; AVG: SUM,
+  // then divide once the work is done).
+  template <typename Options, typename GlooCall>
+  c10::intrusive_ptr<Work> reduce_in_place(TensorList& tensors, const Options& opts, OpType type,
+                                           GlooCall gloo_call) {
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
     call.start();
     if (premultiplies(r))
       for (auto& t : a) premultiply(r, t);
-    c10d::AllreduceOptions o = opts;
+    Options o = opts;
     o.reduceOp = r.gloo_op;
-    auto inner = gloo_->allreduce(a, o);
-    return record(call.finish(OpType::ALLREDUCE, inner, tensors, average(r, a, getSize())));
+    auto inner = gloo_call(a, o);
+    return record(call.finish(type, inner, tensors, average(r, a, getSize())));
+  }
+
+  c10::intrusive_ptr<Work> allreduce(TensorList& tensors,
+                                     const c10d::AllreduceOptions& opts) override {
+    return reduce_in_place(tensors, opts, OpType::ALLREDUCE,
+                           [this](TensorList& a, c10d::AllreduceOptions& o) {
+                             return gloo_->allreduce(a, o);
+                           });
   }
   // [docs:end OCCL_ALLREDUCE]
 
   c10::intrusive_ptr<Work> allreduce_coalesced(
       TensorList& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
-    Call call;
-    TensorList a = call.alias(tensors);
-    Reduction r = reduction(opts.reduceOp);
-    call.start();
-    if (premultiplies(r))
-      for (auto& t : a) premultiply(r, t);
-    c10d::AllreduceCoalescedOptions o = opts;
-    o.reduceOp = r.gloo_op;
-    auto inner = gloo_->allreduce_coalesced(a, o);
-    return record(call.finish(OpType::ALLREDUCE_COALESCED, inner, tensors, average(r, a, getSize())));
+    return reduce_in_place(tensors, opts, OpType::ALLREDUCE_COALESCED,
+                           [this](TensorList& a, c10d::AllreduceCoalescedOptions& o) {
+                             return gloo_->allreduce_coalesced(a, o);
+                           });
   }
 
   c10::intrusive_ptr<Work> reduce(TensorList& tensors, const c10d::ReduceOptions& opts) override {
