@@ -4,7 +4,8 @@
 
 Open the trace in https://ui.perfetto.dev (or chrome://tracing): the CPU ops sit on the rows of
 the Python and autograd threads, the device's kernels and copies on the rows "openreg:0" /
-"stream N". The table printed at the end is sorted by device time.
+"stream N", with an arrow from each launch call (openregLaunchKernel, openregMemcpy, ...) to the
+work it issued. The table printed at the end is sorted by device time.
 """
 import sys
 

@@ -156,3 +156,128 @@ def test_profile_memory_records_device_allocations_and_frees():
     assert empty.cpu_memory_usage == 0
     frees = [e for e in prof.events() if e.name == "[memory]" and e.device_memory_usage < 0]
     assert [e.device_memory_usage for e in frees] == [-(4 << 20)]
+
+
+def flows(events):
+    """{flow id: (start event, end event)} of the trace's CPU-to-device links."""
+    starts = {e["id"]: e for e in events if e.get("cat") == "ac2g" and e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e.get("cat") == "ac2g" and e["ph"] == "f"}
+    assert set(starts) == set(ends)
+    return {i: (starts[i], ends[i]) for i in starts}
+
+
+# [docs:start TEST_FLOWS]
+def test_trace_links_each_launch_to_its_device_work(tmp_path):
+    x = torch.randn(64, 64, device="openreg")
+    host = torch.randn(1 << 16).pin_memory()
+    with profile(activities=DEVICE_ACTIVITIES) as prof:
+        torch.mm(x, x)                                 # a kernel
+        x.zero_()                                      # a memset
+        dev = host.to("openreg", non_blocking=True)    # an asynchronous copy
+    assert torch.equal(dev.cpu(), host)
+    events = chrome_trace(prof, tmp_path)
+    [mm_op] = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::mm"]
+    # (torch's profiler synchronizes the device as it stops: that wait is recorded too)
+    calls = {e["name"]: e for e in events if e.get("cat") == "privateuse1_runtime"
+             and not e["name"].endswith("Synchronize")}
+    assert set(calls) == {"openregLaunchKernel", "openregMemset", "openregMemcpy"}
+    device_work = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    assert len(device_work) == 3
+    links = flows(events)
+    assert len(links) == 3
+    for start, end in links.values():
+        # The arrow starts at the runtime call on the issuing thread (the op's row)...
+        [call] = [c for c in calls.values() if c["ts"] == start["ts"]]
+        assert (start["pid"], start["tid"]) == (call["pid"], call["tid"]) == (mm_op["pid"], mm_op["tid"])
+        # ...and ends on the device work it issued, on the device's row.
+        [work] = [w for w in device_work if w["ts"] == end["ts"]]
+        assert (end["pid"], end["tid"]) == (work["pid"], work["tid"]) == (0, 0)
+        assert end["bp"] == "e"
+        assert work["ts"] >= call["ts"]
+    # The kernel starts when its launch returns (its stream is free) and runs inside its op, on
+    # the op's thread; the asynchronous copy lands after its call returned (it was only queued).
+    kernel = next(w for w in device_work if w["cat"] == "kernel")
+    launch = calls["openregLaunchKernel"]
+    assert mm_op["ts"] <= launch["ts"] <= launch["ts"] + launch["dur"] <= kernel["ts"] + 0.01
+    assert kernel["ts"] + kernel["dur"] <= mm_op["ts"] + mm_op["dur"] + 0.01
+    copy = next(w for w in device_work if w["cat"] == "gpu_memcpy")
+    assert copy["ts"] >= calls["openregMemcpy"]["ts"] + calls["openregMemcpy"]["dur"]
+# [docs:end TEST_FLOWS]
+
+
+def test_memset_is_its_own_activity_with_bytes():
+    x = torch.randn(1 << 18, device="openreg")
+    with profile(activities=DEVICE_ACTIVITIES) as prof:
+        x.zero_()
+        x.fill_(2.0)  # a fill is a kernel, not a memset
+    [memset] = [e for e in device_events(prof) if e.name == "Memset (openreg)"]
+    assert memset.time_range.elapsed_us() > 0
+    [zero] = [e for e in prof.events() if e.name == "aten::zero_"]
+    assert zero.device_time_total > 0
+    assert [e.name for e in device_events(prof) if "kernel" in e.name] == ["aten::fill_ (openreg kernel)"]
+    table = prof.key_averages().table(sort_by="device_time_total")
+    assert "Memset (openreg)" in table
+
+
+def test_host_waits_are_recorded_on_the_waiting_thread(tmp_path):
+    host = torch.randn(1024).pin_memory()
+    stream = torch.openreg.Stream()
+    old = torch.openreg.set_copy_engine_config(latency_us=20_000)
+    try:
+        with profile(activities=DEVICE_ACTIVITIES) as prof:
+            host.to("openreg", non_blocking=True)
+            torch.openreg.synchronize()                   # device: waits for the copy
+            with torch.openreg.stream(stream):
+                host.to("openreg", non_blocking=True)
+            stream.synchronize()                          # stream
+            host.to("openreg", non_blocking=True)
+            event = torch.openreg.Event()
+            event.record()
+            event.synchronize()                           # event
+            torch.openreg.synchronize()                   # nothing pending: no wait recorded
+    finally:
+        torch.openreg.set_copy_engine_config(old.latency_us, old.bandwidth_gbps)
+    waits = [e for e in chrome_trace(prof, tmp_path) if e.get("cat") == "privateuse1_runtime"
+             and e["name"].endswith("Synchronize")]
+    assert [e["name"] for e in waits] == ["openregDeviceSynchronize", "openregStreamSynchronize",
+                                          "openregEventSynchronize"]
+    for e in waits:
+        assert e["dur"] >= 5_000  # blocked for (most of) the copy's 20 ms latency
+    assert waits[1]["args"]["stream"] == stream.stream_id
+
+
+def test_occl_collective_is_recorded_as_device_work(tmp_path):
+    import torch.distributed as dist
+
+    import torch_openreg.distributed  # noqa: F401  registers occl
+
+    store = dist.HashStore()
+    dist.init_process_group("occl", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(1 << 16, device="openreg")
+        with profile(activities=DEVICE_ACTIVITIES) as prof:
+            dist.all_reduce(t)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(t.cpu(), torch.ones(1 << 16))
+    events = chrome_trace(prof, tmp_path)
+    [coll] = [e for e in events if e.get("cat") == "kernel" and "occl:" in e["name"]]
+    assert coll["name"] == "occl:allreduce (openreg collective)"
+    assert coll["args"]["bytes"] == 4 << 16 and coll["pid"] == 0
+    [link] = [s for s, f in flows(events).values() if f["ts"] == coll["ts"]]
+    [call] = [e for e in events if e.get("cat") == "privateuse1_runtime" and e["ts"] == link["ts"]]
+    assert call["name"] == "occlCollective"
+
+
+def test_graph_replay_is_one_device_activity():
+    x = torch.randn(64, 64, device="openreg")
+    graph = torch.accelerator.Graph()
+    with torch.openreg.graph(graph):
+        y = (x @ x).relu()
+    with profile(activities=DEVICE_ACTIVITIES) as prof:
+        graph.replay()
+    assert torch.allclose(y.cpu(), (x.cpu() @ x.cpu()).relu())
+    [replay] = device_events(prof)
+    assert replay.name == "Graph replay (openreg)"
+    assert replay.time_range.elapsed_us() > 0
+    assert [e.name for e in prof.events() if e.name.startswith("openreg")] == ["openregGraphLaunch"]

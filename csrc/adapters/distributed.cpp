@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 namespace openreg {
 namespace {
@@ -43,11 +44,12 @@ class OcclWork : public Work {
  public:
   OcclWork(OpType type, c10::intrusive_ptr<Work> inner, TensorList outputs,
            std::vector<c10::Device> devices, std::function<void()> finish,
-           std::shared_ptr<KernelScope> scope)
+           std::shared_ptr<KernelScope> scope, std::optional<DeviceActivity> profiled)
       : Work(-1, type), inner_(std::move(inner)), state_(std::make_shared<State>()) {
     state_->outputs = std::move(outputs);
     state_->finish = std::move(finish);
     state_->scope = std::move(scope);
+    state_->profiled = std::move(profiled);
     state_->future = c10::make_intrusive<c10::ivalue::Future>(
         c10::ListType::create(c10::TensorType::get()), std::move(devices));
     c10::intrusive_ptr<c10::ivalue::Future> inner_future;
@@ -107,6 +109,7 @@ class OcclWork : public Work {
     std::function<void()> finish;
     std::shared_ptr<KernelScope> scope;
     c10::intrusive_ptr<c10::ivalue::Future> future;
+    std::optional<DeviceActivity> profiled;  // issued while the profiler recorded
 
     // Once: the completion step (e.g. AVG's division), then the future, then the host access.
     void complete(std::exception_ptr error) {
@@ -126,6 +129,12 @@ class OcclWork : public Work {
         future->markCompleted(c10::IValue(outputs));
       }
       scope.reset();
+      if (profiled.has_value()) {  // the profiler's device row: from issue to the result
+        if (ActivityRecorder* r = activity_recorder()) {
+          profiled->end_ns = activity_clock_ns();
+          r->record(*profiled);
+        }
+      }
     }
   };
 
@@ -204,6 +213,12 @@ class Call {
 
   // After the aliases were taken, before gloo (or occl itself) touches the memory.
   void start() {
+    if (ActivityRecorder* r = activity_recorder(); r != nullptr && !devices_.empty()) {
+      const int device = devices_.front().index();
+      profiled_ = DeviceActivity{ActivityKind::Collective, device, current_stream_id(device),
+                                 activity_clock_ns(), 0, 0, r->issuer()};
+      profiled_->issuer.start_ns = profiled_->start_ns;
+    }
     for (const auto& d : devices_) stream_synchronize(current_stream(d.index()));
     // In strict-memory mode, device pages are open to the host while the collective runs.
     if (strict_memory() && !devices_.empty()) scope_ = std::make_shared<KernelScope>();
@@ -211,13 +226,22 @@ class Call {
 
   c10::intrusive_ptr<Work> finish(OpType type, c10::intrusive_ptr<Work> inner, TensorList outputs,
                                   std::function<void()> post = nullptr) {
+    if (profiled_.has_value()) {
+      std::string name = c10d::opTypeToString(type);
+      std::transform(name.begin(), name.end(), name.begin(), ::tolower);
+      profiled_->name = "occl:" + name;
+      for (const auto& t : outputs) profiled_->bytes += t.numel() * t.element_size();
+      profiled_->issuer.end_ns = activity_clock_ns();
+    }
     return c10::make_intrusive<OcclWork>(type, std::move(inner), std::move(outputs), devices_,
-                                         std::move(post), std::move(scope_));
+                                         std::move(post), std::move(scope_),
+                                         std::move(profiled_));
   }
 
  private:
   std::vector<c10::Device> devices_;
   std::shared_ptr<KernelScope> scope_;
+  std::optional<DeviceActivity> profiled_;
 };
 // [docs:end OCCL_CALL]
 

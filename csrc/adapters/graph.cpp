@@ -451,6 +451,7 @@ class OpenRegGraph final : public at::GraphImplInterface {
     TORCH_CHECK(stream_capture(stream) == nullptr, "openreg: replaying a graph on a stream that "
                 "captures another graph is not supported");
     LaunchScope launch(stream);
+    mark_launch_as(ActivityKind::GraphReplay, 0);  // one device activity for the profiler
     for (const auto& run : exec_) run();
     // [docs:end REPLAY]
   }

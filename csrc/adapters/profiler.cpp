@@ -44,11 +44,15 @@ using libkineto::ActivityType;
 // The one recorder of the process: the runtime calls it while a session records.
 class Recorder final : public ActivityRecorder {
  public:
-  uint64_t correlation() override {
+  Issuer issuer() override {
     auto& stack = correlation_stack();
-    return stack.empty() ? 0 : stack.back();
+    Issuer i;
+    i.correlation = stack.empty() ? 0 : stack.back();
+    i.thread = libkineto::systemThreadId();
+    return i;
   }
   void record(const DeviceActivity& activity) override {
+    if (activity.kind == ActivityKind::HostWait && in_end_) return;  // end()'s own wait
     std::lock_guard lock(mutex_);
     records_.push_back(activity);
   }
@@ -65,9 +69,20 @@ class Recorder final : public ActivityRecorder {
     set_activity_recorder(this);
   }
   // Device work issued before the end still belongs to the trace: let it finish, then stop.
-  std::vector<DeviceActivity> end() {
+  // The profiler's own waits for the device are not the program's: not recorded.
+  static void synchronize_unrecorded() {
+    in_end_ = true;
     try {
       synchronize_all();
+    } catch (...) {
+      in_end_ = false;
+      throw;
+    }
+    in_end_ = false;
+  }
+  std::vector<DeviceActivity> end() {
+    try {
+      synchronize_unrecorded();
     } catch (...) {
       // an asynchronous device error is reported to the user by their next synchronize
     }
@@ -79,7 +94,9 @@ class Recorder final : public ActivityRecorder {
  private:
   std::mutex mutex_;
   std::vector<DeviceActivity> records_;
+  static thread_local bool in_end_;
 };
+thread_local bool Recorder::in_end_ = false;
 
 Recorder& recorder() {
   static Recorder* r = new Recorder();  // never destroyed: kernels may run during exit
@@ -87,21 +104,44 @@ Recorder& recorder() {
 }
 // [docs:end RECORDER]
 
-const char* copy_name(ActivityKind kind) {
-  switch (kind) {
-    case ActivityKind::CopyHtoD: return "Memcpy HtoD (Host -> openreg)";
-    case ActivityKind::CopyDtoH: return "Memcpy DtoH (openreg -> Host)";
-    case ActivityKind::CopyDtoD: return "Memcpy DtoD (openreg -> openreg)";
-    default: return "";
+// [docs:start DESCRIBE]
+// How each kind of device work shows in the trace: its Kineto type and name on the device's
+// stream row, and the name of the host-side runtime call that issued it (CUDA's trace shows
+// cudaLaunchKernel, cudaMemcpyAsync, ... in the same place).
+struct Description {
+  ActivityType type;
+  std::string name;
+  const char* host_call;  // nullptr: the activity is itself on the host
+};
+
+Description describe(const DeviceActivity& a, const libkineto::ITraceActivity* op) {
+  const std::string op_name = op != nullptr ? op->name() : std::string("openreg kernel");
+  switch (a.kind) {
+    case ActivityKind::Kernel:
+      return {ActivityType::CONCURRENT_KERNEL, op_name + " (openreg kernel)", "openregLaunchKernel"};
+    case ActivityKind::CopyHtoD:
+      return {ActivityType::GPU_MEMCPY, "Memcpy HtoD (Host -> openreg)", "openregMemcpy"};
+    case ActivityKind::CopyDtoH:
+      return {ActivityType::GPU_MEMCPY, "Memcpy DtoH (openreg -> Host)", "openregMemcpy"};
+    case ActivityKind::CopyDtoD:
+      return {ActivityType::GPU_MEMCPY, "Memcpy DtoD (openreg -> openreg)", "openregMemcpy"};
+    case ActivityKind::Memset:
+      return {ActivityType::GPU_MEMSET, "Memset (openreg)", "openregMemset"};
+    case ActivityKind::Collective:
+      return {ActivityType::CONCURRENT_KERNEL, a.name + " (openreg collective)", "occlCollective"};
+    case ActivityKind::GraphReplay:
+      return {ActivityType::CONCURRENT_KERNEL, "Graph replay (openreg)", "openregGraphLaunch"};
+    case ActivityKind::HostWait:  // host activity only: torch asks no sync type of PrivateUse1
+      return {ActivityType::PRIVATEUSE1_RUNTIME, a.name, nullptr};
   }
+  return {ActivityType::CONCURRENT_KERNEL, op_name, "openregLaunchKernel"};
 }
+// [docs:end DESCRIBE]
 
 // [docs:start SESSION]
 class Session final : public libkineto::IActivityProfilerSession {
  public:
-  explicit Session(const std::set<ActivityType>& types)
-      : kernels_(types.count(ActivityType::CONCURRENT_KERNEL) > 0),
-        copies_(types.count(ActivityType::GPU_MEMCPY) > 0) {}
+  explicit Session(const std::set<ActivityType>& types) : types_(types) {}
   ~Session() override {
     if (recording_) recorder().end();
   }
@@ -133,33 +173,47 @@ class Session final : public libkineto::IActivityProfilerSession {
                     int64_t end_time) override {
     std::map<int, std::set<int64_t>> streams;  // per device
     for (const DeviceActivity& a : records_) {
-      const bool copy = a.kind != ActivityKind::Kernel;
-      if (copy ? !copies_ : !kernels_) continue;
       const libkineto::ITraceActivity* op =
-          a.correlation != 0 ? linked_activity(int32_t(a.correlation)) : nullptr;
-      std::string name = copy ? copy_name(a.kind)
-                              : (op != nullptr ? op->name() : std::string("openreg kernel")) +
-                                    " (openreg kernel)";
-      auto& act = buffer_->activities.emplace_back(std::make_unique<libkineto::GenericTraceActivity>(
-          buffer_->span, copy ? ActivityType::GPU_MEMCPY : ActivityType::CONCURRENT_KERNEL,
-          name));
-      act->startTime = a.start_ns;
-      act->endTime = a.end_ns;
-      act->id = int32_t(++next_id_);
-      act->device = a.device;
-      act->resource = int32_t(a.stream);
-      act->threadId = int32_t(a.stream);
-      act->linked = op;
-      act->addMetadata("device", a.device);
-      act->addMetadata("stream", a.stream);
-      act->addMetadata("correlation", a.correlation);
-      if (copy) {
-        act->addMetadata("bytes", a.bytes);
+          a.issuer.correlation != 0 ? linked_activity(int32_t(a.issuer.correlation)) : nullptr;
+      const Description d = describe(a, op);
+      if (types_.count(d.type) == 0) continue;
+      if (d.host_call == nullptr) {  // a host wait, on the waiting thread's row
+        auto& wait = add(d.type, d.name, a.issuer.start_ns, a.issuer.end_ns,
+                         libkineto::processId(), a.issuer.thread, op);
+        wait.addMetadata("device", a.device);
+        wait.addMetadata("stream", a.stream);
+        logger.handleGenericActivity(wait);
+        continue;
+      }
+      const int32_t flow = int32_t(++next_id_);
+      // The device side: on the row of its device (pid) and stream (tid).
+      auto& act = add(d.type, d.name, a.start_ns, a.end_ns, a.device, a.stream, op);
+      act.addMetadata("device", a.device);
+      act.addMetadata("stream", a.stream);
+      act.addMetadata("correlation", a.issuer.correlation);
+      if (a.bytes != 0 || a.kind == ActivityKind::CopyHtoD || a.kind == ActivityKind::CopyDtoH ||
+          a.kind == ActivityKind::CopyDtoD) {
+        act.addMetadata("bytes", a.bytes);
         const double ns = double(std::max<int64_t>(a.end_ns - a.start_ns, 1));
-        act->addMetadata("memory bandwidth (GB/s)", fmt::format("{:.3f}", double(a.bytes) / ns));
+        act.addMetadata("memory bandwidth (GB/s)", fmt::format("{:.3f}", double(a.bytes) / ns));
+      }
+      // The host side: the runtime call on the issuing thread's row, with a flow arrow from it
+      // to the device work (Kineto's CPU-to-GPU link, drawn by trace viewers).
+      if (types_.count(ActivityType::PRIVATEUSE1_RUNTIME) != 0 && a.issuer.start_ns != 0) {
+        auto& call = add(ActivityType::PRIVATEUSE1_RUNTIME, d.host_call, a.issuer.start_ns,
+                         a.issuer.end_ns, libkineto::processId(), a.issuer.thread, op);
+        call.threadId = a.issuer.thread;
+        call.addMetadata("correlation", a.issuer.correlation);
+        call.flow.id = flow;
+        call.flow.type = libkineto::kLinkAsyncCpuGpu;
+        call.flow.start = true;
+        act.flow.id = flow;
+        act.flow.type = libkineto::kLinkAsyncCpuGpu;
+        act.flow.start = false;
+        logger.handleGenericActivity(call);
       }
       streams[a.device].insert(a.stream);
-      logger.handleGenericActivity(*act);
+      logger.handleGenericActivity(act);
     }
     buffer_->span.startTime = start_time;
     buffer_->span.endTime = end_time;
@@ -186,9 +240,23 @@ class Session final : public libkineto::IActivityProfilerSession {
   }
 
  private:
+  libkineto::GenericTraceActivity& add(ActivityType type, const std::string& name,
+                                       int64_t start_ns, int64_t end_ns, int32_t pid, int32_t tid,
+                                       const libkineto::ITraceActivity* op) {
+    auto& act = buffer_->activities.emplace_back(
+        std::make_unique<libkineto::GenericTraceActivity>(buffer_->span, type, name));
+    act->startTime = start_ns;
+    act->endTime = end_ns;
+    act->id = int32_t(++next_id_);
+    act->device = pid;
+    act->resource = tid;
+    act->threadId = tid;
+    act->linked = op;
+    return *act;
+  }
+
   static constexpr int64_t kDeviceSortBase = 0x1000000;  // device rows below the CPU's
-  const bool kernels_;
-  const bool copies_;
+  const std::set<ActivityType> types_;  // what the trace asked for
   bool recording_ = false;
   std::vector<DeviceActivity> records_;
   std::unique_ptr<libkineto::CpuTraceBuffer> buffer_ = std::make_unique<libkineto::CpuTraceBuffer>();
@@ -205,10 +273,12 @@ class OpenRegActivityProfiler final : public libkineto::IActivityProfiler {
 
   std::unique_ptr<libkineto::IActivityProfilerSession> configure(
       const std::set<ActivityType>& activity_types, const libkineto::Config& config) override {
-    if (activity_types.count(ActivityType::CONCURRENT_KERNEL) == 0 &&
-        activity_types.count(ActivityType::GPU_MEMCPY) == 0)
+    std::set<ActivityType> asked;
+    for (ActivityType t : types_)
+      if (activity_types.count(t) != 0) asked.insert(t);
+    if (asked.empty() || asked == std::set<ActivityType>{ActivityType::PRIVATEUSE1_RUNTIME})
       return nullptr;  // CPU-only profiling: the device records nothing, costs nothing
-    return std::make_unique<Session>(activity_types);
+    return std::make_unique<Session>(asked);
   }
   std::unique_ptr<libkineto::IActivityProfilerSession> configure(
       int64_t ts_ms, int64_t duration_ms, const std::set<ActivityType>& activity_types,
@@ -218,8 +288,9 @@ class OpenRegActivityProfiler final : public libkineto::IActivityProfiler {
 
  private:
   const std::string name_ = "openreg";
-  const std::set<ActivityType> types_ = {ActivityType::CONCURRENT_KERNEL,
-                                         ActivityType::GPU_MEMCPY};
+  const std::set<ActivityType> types_ = {
+      ActivityType::CONCURRENT_KERNEL, ActivityType::GPU_MEMCPY, ActivityType::GPU_MEMSET,
+      ActivityType::PRIVATEUSE1_RUNTIME};
 };
 
 // Kineto is initialised lazily; the registry hands it our factory whenever that happens.
@@ -262,7 +333,7 @@ struct Stubs final : public torch::profiler::impl::ProfilerStubs {
     }
     set_current_device(previous);
   }
-  void synchronize() const override { synchronize_all(); }
+  void synchronize() const override { Recorder::synchronize_unrecorded(); }
 };
 
 struct RegisterStubs {

@@ -259,7 +259,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // and run on the destination device's current stream.
     if (tensor_device(self) != tensor_device(dst)) stream_wait(current_stream(tensor_device(self)));
     HostKernel k(tensor_device(dst));
-    mark_launch_as_copy(ActivityKind::CopyDtoD, size_t(dst.numel()) * dst.element_size());
+    mark_launch_as(ActivityKind::CopyDtoD, size_t(dst.numel()) * dst.element_size());
     copy_between(k.alias(dst), k.alias(self));
     return dst;
   }
@@ -291,7 +291,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // [docs:end ASYNC_COPY]
   }
   HostKernel k(device);
-  mark_launch_as_copy(src_dev ? ActivityKind::CopyDtoH : ActivityKind::CopyHtoD,
+  mark_launch_as(src_dev ? ActivityKind::CopyDtoH : ActivityKind::CopyHtoD,
                       size_t(dst.numel()) * dst.element_size());
   if (src_dev) copy_between(dst, k.alias(self));
   else copy_between(k.alias(dst), self);

@@ -80,6 +80,7 @@ at::Tensor& PrivateUse1NativeFunctions::zero_(at::Tensor& self) {
   if (!fills_directly(self)) return fill_(self, 0);
   if (self.numel() == 0) return self;
   LaunchScope launch(current_stream(self.device().index()));
+  mark_launch_as(ActivityKind::Memset, size_t(self.numel()) * self.element_size());
   KernelScope on_device;
   std::memset(self.mutable_data_ptr(), 0, self.numel() * self.element_size());  // 0 in every dtype
   return self;

@@ -14,6 +14,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -318,6 +319,58 @@ int64_t stream_from_pool(int device, int priority) {
 int stream_device(const Stream* s) { return s->device(); }
 int64_t stream_id(const Stream* s) { return s->id(); }
 
+// The host waits for an event, without reporting it to the profiler (defined with events).
+void event_wait_host(const EventPtr& e);
+
+// [docs:start PROFILER_TIMING]
+namespace {
+std::atomic<ActivityRecorder*> g_recorder{nullptr};
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// What this thread's current outermost launch is, for the recorder.
+struct LaunchKind {
+  ActivityKind kind = ActivityKind::Kernel;
+  size_t bytes = 0;
+};
+thread_local LaunchKind t_launch_kind;
+
+// A host wait (synchronize) that blocked, reported as it ends.
+class HostWaitRecord {
+ public:
+  HostWaitRecord(const char* name, int device, int64_t stream)
+      : recorder_(g_recorder.load(std::memory_order_relaxed)), name_(name), device_(device),
+        stream_(stream) {
+    if (recorder_ != nullptr) start_ns_ = wall_ns();
+  }
+  ~HostWaitRecord() {
+    if (recorder_ == nullptr || g_recorder.load(std::memory_order_relaxed) != recorder_) return;
+    Issuer issuer = recorder_->issuer();
+    issuer.start_ns = start_ns_;
+    issuer.end_ns = wall_ns();
+    recorder_->record({ActivityKind::HostWait, device_, stream_, start_ns_, issuer.end_ns, 0,
+                       issuer, name_});
+  }
+
+ private:
+  ActivityRecorder* recorder_;
+  const char* name_;
+  int device_;
+  int64_t stream_;
+  int64_t start_ns_ = 0;
+};
+}  // namespace
+
+void set_activity_recorder(ActivityRecorder* recorder) { g_recorder.store(recorder); }
+ActivityRecorder* activity_recorder() { return g_recorder.load(std::memory_order_relaxed); }
+int64_t activity_clock_ns() { return wall_ns(); }
+
+void mark_launch_as(ActivityKind kind, size_t bytes) { t_launch_kind = {kind, bytes}; }
+// [docs:end PROFILER_TIMING]
+
 void stream_enqueue(Stream* s, std::function<void()> task) {
   check_not_forked();
   if (Capture* c = s->capture())
@@ -346,12 +399,15 @@ void stream_wait(Stream* s) {
   // A marker behind everything issued so far: work issued later does not delay the wait.
   auto marker = event_create(s->device(), false);
   event_record(marker, s);
-  event_synchronize(marker);
+  event_wait_host(marker);
 }
 
 void stream_synchronize(Stream* s) {
   check_capture_permits("synchronizing a stream", s->device(), s);
-  stream_wait(s);
+  if (!s->idle()) {
+    HostWaitRecord record("openregStreamSynchronize", s->device(), s->id());
+    stream_wait(s);
+  }
   s->rethrow_async_error();
 }
 
@@ -368,7 +424,10 @@ void device_synchronize(int device) {
     markers.push_back(event_create(device, false));
     event_record(markers.back(), s.get());
   }
-  for (auto& m : markers) event_synchronize(m);
+  if (!markers.empty()) {
+    HostWaitRecord record("openregDeviceSynchronize", device, current_stream(device)->id());
+    for (auto& m : markers) event_wait_host(m);
+  }
   for (auto& s : streams) s->rethrow_async_error();
 }
 
@@ -414,27 +473,6 @@ bool stream_release(const std::shared_ptr<StreamHold>& hold) {
 }
 // [docs:end STREAM_HOLD]
 
-// [docs:start PROFILER_TIMING]
-namespace {
-std::atomic<ActivityRecorder*> g_recorder{nullptr};
-
-int64_t wall_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// What this thread's current outermost launch is, for the recorder.
-struct LaunchKind {
-  ActivityKind kind = ActivityKind::Kernel;
-  size_t bytes = 0;
-};
-thread_local LaunchKind t_launch_kind;
-}  // namespace
-
-void set_activity_recorder(ActivityRecorder* recorder) { g_recorder.store(recorder); }
-
-void mark_launch_as_copy(ActivityKind kind, size_t bytes) { t_launch_kind = {kind, bytes}; }
-// [docs:end PROFILER_TIMING]
 
 // [docs:start LAUNCH_SCOPE_IMPL]
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
@@ -446,10 +484,12 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
       capture_fail(c, "openreg: a kernel without graph-capture support was launched on a "
                       "capturing stream (it would run now instead of at replay); docs/graphs.md "
                       "lists what can be captured");
+  const bool profiling = g_recorder.load(std::memory_order_relaxed) != nullptr;
+  if (profiling) issue_ns_ = wall_ns();  // the host calls the device
   s->begin_kernel();
   push_held(s);
   stream_ = s;
-  if (g_recorder.load(std::memory_order_relaxed) != nullptr) {
+  if (profiling) {
     t_launch_kind = {};
     start_ns_ = wall_ns();  // the stream is ours from now on: the kernel starts on the device
   }
@@ -459,8 +499,12 @@ LaunchScope::~LaunchScope() {
   if (stream_ == nullptr) return;
   ActivityRecorder* recorder = g_recorder.load(std::memory_order_relaxed);
   if (recorder != nullptr && start_ns_ != 0) {
-    recorder->record({t_launch_kind.kind, stream_->device(), stream_->id(), start_ns_, wall_ns(),
-                      t_launch_kind.bytes, recorder->correlation()});
+    const int64_t end_ns = wall_ns();
+    Issuer issuer = recorder->issuer();
+    issuer.start_ns = issue_ns_;
+    issuer.end_ns = start_ns_;  // the launch: until the stream was free and held for the kernel
+    recorder->record({t_launch_kind.kind, stream_->device(), stream_->id(), start_ns_, end_ns,
+                      t_launch_kind.bytes, issuer});
   }
   pop_held(stream_);
   stream_->end_kernel();
@@ -485,9 +529,13 @@ void enqueue_copy(Stream* s, bool host_to_device, size_t nbytes, std::function<v
   CopyEngine* engine = host_to_device ? &d.to_device : &d.to_host;
   const int priority = stream_priority(s->id());
   ActivityRecorder* recorder = g_recorder.load(std::memory_order_relaxed);
-  const uint64_t correlation = recorder != nullptr ? recorder->correlation() : 0;
-  stream_enqueue(s, [s, engine, priority, nbytes, host_to_device, correlation,
-                     copy = std::move(copy)] {
+  Issuer issuer;
+  if (recorder != nullptr) {
+    issuer = recorder->issuer();
+    issuer.start_ns = wall_ns();
+    issuer.end_ns = issuer.start_ns;  // queueing is the host's whole part
+  }
+  auto task = [s, engine, priority, nbytes, host_to_device, issuer, copy = std::move(copy)] {
     engine->acquire(priority);
     struct Release {
       CopyEngine* engine;
@@ -500,11 +548,12 @@ void enqueue_copy(Stream* s, bool host_to_device, size_t nbytes, std::function<v
     // The transfer is in flight for its simulated duration; its data lands at the end.
     wait_until(Clock::now() + std::chrono::nanoseconds(int64_t(us * 1e3)));
     copy();
-    if (ActivityRecorder* r = g_recorder.load(std::memory_order_relaxed)) {
+    if (ActivityRecorder* r = g_recorder.load(std::memory_order_relaxed); r && issuer.start_ns) {
       r->record({host_to_device ? ActivityKind::CopyHtoD : ActivityKind::CopyDtoH, s->device(),
-                 s->id(), start_ns, wall_ns(), nbytes, correlation});
+                 s->id(), start_ns, wall_ns(), nbytes, issuer});
     }
-  });
+  };
+  stream_enqueue(s, std::move(task));
 }
 // [docs:end ENQUEUE_COPY]
 
@@ -594,7 +643,10 @@ bool event_query(const EventPtr& e) {
   return e->completed >= e->recorded;
 }
 
-void event_synchronize(const EventPtr& e) {
+namespace {
+// The host waits for `e`; `record` reports the wait to the profiler as the user's own
+// synchronize (the runtime's internal waits are reported by their callers).
+void wait_event(const EventPtr& e, bool record) {
   {
     Stream* pending = nullptr;
     Capture* captured = nullptr;
@@ -608,13 +660,19 @@ void event_synchronize(const EventPtr& e) {
                              "not permitted (operation not permitted when stream is capturing)");
     if (pending != nullptr) check_capture_permits("synchronizing an event", e->device, pending);
   }
+  std::optional<HostWaitRecord> host_wait;
   std::unique_lock lock(e->mutex);
   if (e->completed >= e->recorded) return;
   TORCH_CHECK(!held_here(e->pending), "openreg: cannot wait for an event recorded on stream ",
               e->pending->id(), " of openreg:", e->device,
               " from work running on that stream (it would never finish)");
+  if (record) host_wait.emplace("openregEventSynchronize", e->device, e->pending->id());
   e->cv.wait(lock, [&] { return e->completed >= e->recorded; });
 }
+}  // namespace
+
+void event_synchronize(const EventPtr& e) { wait_event(e, /*record=*/true); }
+void event_wait_host(const EventPtr& e) { wait_event(e, /*record=*/false); }
 
 // [docs:start EVENT_BLOCK]
 void event_block(const EventPtr& e, Stream* s) {

@@ -98,6 +98,7 @@ class LaunchScope {
 
  private:
   Stream* stream_;  // nullptr when nested
+  int64_t issue_ns_ = 0;  // when the host called it (profiling only)
   int64_t start_ns_ = 0;  // when the stream started running it (profiling only)
 };
 // [docs:end LAUNCH_SCOPE]
@@ -107,29 +108,51 @@ class LaunchScope {
 // recorder is installed, the runtime reports every piece of device work with the interval during
 // which the device ran it, measured here: a kernel (an outermost LaunchScope) from the moment its
 // stream was free and held for it to the moment it released it; an asynchronous copy from the
-// moment its copy engine took it to the moment its data landed.
-enum class ActivityKind : uint8_t { Kernel, CopyHtoD, CopyDtoH, CopyDtoD };
+// moment its copy engine took it to the moment its data landed; a collective from the moment
+// it was issued to the moment its result was complete. Each also carries the host side that
+// issued it: the calling thread and the interval of the call. The host's waits for the device
+// (synchronize calls that blocked) are reported too, as host activity only.
+enum class ActivityKind : uint8_t {
+  Kernel,
+  CopyHtoD,
+  CopyDtoH,
+  CopyDtoD,
+  Memset,
+  Collective,  // a collective of the occl process group
+  GraphReplay, // a captured graph's kernels, replayed in one launch
+  HostWait,    // the host blocked in a synchronize call (no device work)
+};
+struct Issuer {
+  uint64_t correlation = 0;  // the profiler's id of the CPU op that issued the work, 0 if none
+  int32_t thread = 0;        // system id of the issuing thread
+  int64_t start_ns = 0;      // the host-side call that issued it (for a kernel: the launch,
+  int64_t end_ns = 0;        // until its stream was free; the kernel then runs on this thread)
+};
 struct DeviceActivity {
   ActivityKind kind;
   int device;
   int64_t stream;       // stream id on the device
   int64_t start_ns;     // wall clock (CLOCK_REALTIME, ns), as the profiler's CPU events
   int64_t end_ns;
-  size_t bytes;         // copies only
-  uint64_t correlation; // the profiler's id of the CPU op that issued the work, 0 if none
+  size_t bytes;         // copies, memsets and collectives
+  Issuer issuer;
+  std::string name;     // collectives: the operation; host waits: the runtime call
 };
 class ActivityRecorder {
  public:
   virtual ~ActivityRecorder() = default;
-  // Called on the thread that issues the work, when it is issued.
-  virtual uint64_t correlation() = 0;
+  // Called on the thread that issues the work, when it is issued: who issues it.
+  virtual Issuer issuer() = 0;
   // Called when the work has run (on the issuing thread or on the stream's worker).
   virtual void record(const DeviceActivity& activity) = 0;
 };
 // nullptr turns recording off. The recorder must stay alive as long as the process.
 void set_activity_recorder(ActivityRecorder* recorder);
-// Inside a LaunchScope: reports this thread's current launch as a copy of `bytes`.
-void mark_launch_as_copy(ActivityKind kind, size_t bytes);
+ActivityRecorder* activity_recorder();  // nullptr unless a profiler session records
+// Inside a LaunchScope: reports this thread's current launch as a copy or memset of `bytes`.
+void mark_launch_as(ActivityKind kind, size_t bytes);
+// The clock of the activities.
+int64_t activity_clock_ns();
 // [docs:end ACTIVITY_RECORDER]
 
 // Simulated copy engines, used by asynchronous (non_blocking) copies between pinned host memory
