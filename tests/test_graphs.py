@@ -365,6 +365,70 @@ def test_whole_network_capture_matches_eager_training(make_opt):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses[1:]))
 
 
+class _SeqModel(torch.nn.Module):
+    """A recurrent or attention body with a linear head over the last position."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        if kind == "transformer":  # fused attention (overrideable SDPA), with its dropout
+            layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.1, batch_first=True)
+            self.body = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        elif kind == "lstm":       # the fused LSTM cell
+            self.body = torch.nn.LSTM(16, 16, batch_first=True)
+        else:                      # the fused GRU cell
+            self.body = torch.nn.GRU(16, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.body(x)
+        y = y[0] if isinstance(y, tuple) else y
+        return self.head(y[:, -1])
+
+
+@pytest.mark.parametrize("kind", ["transformer", "lstm", "gru"])
+def test_sequence_model_training_capture_matches_eager(kind):
+    g_cpu = torch.Generator().manual_seed(7)
+    data = [(torch.randn(4, 6, 16, generator=g_cpu), torch.randint(0, 4, (4,), generator=g_cpu))
+            for _ in range(4)]
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def run_eager(model, opt):
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(x.to(DEV)), y.to(DEV)).backward()
+            opt.step()
+
+    eager = _SeqModel(kind).to(DEV)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    torch.openreg.manual_seed(1)
+    run_eager(eager, opt)
+
+    model = _SeqModel(kind).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.openreg.manual_seed(1)
+    static_x = data[0][0].to(DEV)
+    static_y = data[0][1].to(DEV)
+    s = side_stream()
+    s.wait_stream(torch.accelerator.current_stream())
+    with s:  # warm-up step, eager
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(static_x), static_y).backward()
+        opt.step()
+    torch.accelerator.current_stream().wait_stream(s)
+    g = torch.accelerator.Graph()
+    opt.zero_grad(set_to_none=True)
+    with s, g:
+        loss_fn(model(static_x), static_y).backward()
+        opt.step()
+    for x, y in data[1:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+    for a, b in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
 def test_backward_on_the_autograd_thread_is_captured():
     # Backward runs on openreg's autograd device thread; it issues on the stream of the forward
     # (the capturing stream), so its kernels are recorded, not run.
@@ -381,14 +445,91 @@ def test_backward_on_the_autograd_thread_is_captured():
     assert torch.equal(w.grad.cpu(), torch.full((4,), 5.0))
 
 
-def test_cross_stream_wait_on_a_captured_event_is_refused():
-    s, other, g = side_stream(), side_stream(), torch.accelerator.Graph()
+# [docs:start TEST_FORK_JOIN]
+def test_fork_join_across_streams_is_captured():
+    s, side, g = side_stream(), side_stream(), torch.accelerator.Graph()
+    x = torch.ones(1000, device=DEV)
+    with s, g:
+        a = x * 2
+        side.wait_stream(s)           # fork: side joins the capture
+        assert side.is_capturing()
+        with side:
+            b = x + 1                 # recorded, on side, from the graph's pool
+            b.mul_(10)
+        s.wait_stream(side)           # join back
+        c = a + b
+    assert not side.is_capturing()
+    for value in (3.0, 5.0):
+        x.fill_(value)
+        g.replay()
+        expected = value * 2 + (value + 1) * 10
+        assert torch.equal(c.cpu(), torch.full((1000,), expected))
+# [docs:end TEST_FORK_JOIN]
+
+
+def test_join_through_a_chain_of_streams_and_events():
+    s, b, c, g = side_stream(), side_stream(), side_stream(), torch.accelerator.Graph()
+    x = torch.ones(8, device=DEV)
+    with s, g:
+        fork = torch.Event(device=DEV)
+        fork.record(s)
+        b.wait_event(fork)
+        with b:
+            y = x + 1
+        c.wait_stream(b)              # c joins through b, not through s
+        with c:
+            z = y * 3
+        s.wait_stream(c)              # s has now seen b's work too, through c
+        out = z - x
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(out.cpu(), torch.full((8,), 7.0))
+
+
+def test_unjoined_stream_invalidates_the_capture():
+    s, side, g = side_stream(), side_stream(), torch.accelerator.Graph()
     x = torch.ones(4, device=DEV)
-    with pytest.raises(RuntimeError, match="cross-stream capture is not supported"):
+    with pytest.raises(RuntimeError, match=r"stream\(s\) \d+ of openreg:0 was not joined back"):
         with s, g:
             x.add_(1)
-            e = s.record_event()
-            other.wait_event(e)
+            side.wait_stream(s)
+            with side:
+                x.mul_(2)             # never waited for by s
+    assert not side.is_capturing()    # the fork ended with the capture
+    with pytest.raises(RuntimeError, match="needs a captured graph"):
+        g.replay()
+    side.synchronize()                # usable again outside the capture
+
+
+def test_forked_stream_follows_the_capture_rules():
+    s, side, g = side_stream(), side_stream(), torch.accelerator.Graph()
+    x = torch.ones(4, device=DEV)
+    with pytest.raises(RuntimeError, match="synchronizing a stream is not permitted while stream"):
+        with s, g:
+            side.wait_stream(s)
+            with side:
+                x.add_(1)
+            side.synchronize()        # the host cannot wait for a capturing stream
+    g.reset()
+    default = torch.accelerator.current_stream()
+    with pytest.raises(RuntimeError, match="default stream of openreg:0 cannot join"):
+        with s, g:
+            default.wait_stream(s)
+    assert not default.is_capturing()
+
+
+def test_debug_dump_names_the_stream_of_forked_work(tmp_path):
+    s, side, g = side_stream(), side_stream(), torch.accelerator.Graph()
+    g.enable_debug_mode()
+    x = torch.ones(4, device=DEV)
+    with s, g:
+        side.wait_stream(s)
+        with side:
+            x.add_(1)
+        s.wait_stream(side)
+    g.debug_dump(str(tmp_path / "g.txt"))
+    text = (tmp_path / "g.txt").read_text()
+    assert re.search(rf"aten::add_.*\[stream {side.stream_id}\]", text)
 
 
 def test_graph_on_another_device_and_pool_release():

@@ -269,7 +269,9 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
       for (const at::Tensor& mt : m.toTensorList()) out.push_back(allocate_like_meta(mt, device));
       results.push_back(out);
       fresh.push_back(static_cast<int>(r));
-    } else if (m.isNone()) {
+    } else if (m.isNone() || m.isInt() || m.isSymInt() || m.isDouble() || m.isBool()) {
+      // A host value from the Meta kernel cannot depend on the data (Meta tensors have none):
+      // it comes from shapes (attention's max_q/max_k) and stays the same at every replay.
       results.push_back(m);
     } else {
       capture_fail(capture, c10::str("openreg: ", schema.operator_name(), " cannot be captured "

@@ -216,14 +216,41 @@ void sum_gates(scalar_t* out, const scalar_t* a, const scalar_t* b, const scalar
   }
 }
 
+// Output shapes for graph capture (the GRU cell has no Meta kernel in torch): hy has hx's shape,
+// the workspace keeps 5 values per hidden unit; the backward returns the gates' gradients.
+void gru_cell_meta(c10::Stack* stack) {
+  // (input_gates, hidden_gates, hx, input_bias, hidden_bias)
+  const at::Tensor hx = (*stack)[2].toTensor();
+  stack->clear();
+  stack->emplace_back(at::empty_like(hx, at::MemoryFormat::Contiguous));
+  stack->emplace_back(at::empty({hx.size(0), 5 * hx.size(1)}, hx.options()));
+}
+
+void gru_cell_backward_meta(c10::Stack* stack) {
+  // (grad_hy, workspace, has_bias)
+  const at::Tensor g = (*stack)[0].toTensor();
+  const bool has_bias = (*stack)[2].toBool();
+  const int64_t B = g.size(0), H = g.size(1);
+  stack->clear();
+  stack->emplace_back(at::empty({B, 3 * H}, g.options()));
+  stack->emplace_back(at::empty({B, 3 * H}, g.options()));
+  stack->emplace_back(at::empty({B, H}, g.options()));
+  stack->emplace_back(has_bias ? at::empty({3 * H}, g.options()) : at::Tensor());
+  stack->emplace_back(has_bias ? at::empty({3 * H}, g.options()) : at::Tensor());
+}
+
 // [docs:start LSTM_CELL]
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(
     const at::Tensor& input_gates, const at::Tensor& hidden_gates, const at::Tensor& cx,
     const std::optional<at::Tensor>& input_bias, const std::optional<at::Tensor>& hidden_bias) {
   const char* op = "aten::_thnn_fused_lstm_cell";
   const at::Tensor bi_dev = or_undefined(input_bias), bh_dev = or_undefined(hidden_bias);
-  HostKernel k(op_device(op, {&input_gates, &hidden_gates, &cx, &bi_dev, &bh_dev}));
+  const int device = op_device(op, {&input_gates, &hidden_gates, &cx, &bi_dev, &bh_dev});
   check_cell(op, input_gates, hidden_gates, bi_dev, bh_dev, 4, cx);
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, op, "", input_gates, hidden_gates, cx, input_bias, hidden_bias);
+  HostKernel k(device);
   const at::Tensor ig = k.alias(input_gates).contiguous(), hg = k.alias(hidden_gates).contiguous();
   const at::Tensor c = k.alias(cx).contiguous();
   const at::Tensor bi = contiguous_alias(k, bi_dev), bh = contiguous_alias(k, bh_dev);
@@ -296,7 +323,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward_impl(
   const char* op = "aten::_thnn_fused_lstm_cell_backward_impl";
   const at::Tensor ghy_dev = or_undefined(grad_hy), gcy_dev = or_undefined(grad_cy);
   if (!ghy_dev.defined() && !gcy_dev.defined()) return {};
-  HostKernel k(op_device(op, {&ghy_dev, &gcy_dev, &cx, &cy, &workspace}));
+  const int device = op_device(op, {&ghy_dev, &gcy_dev, &cx, &cy, &workspace});
+  if (Capture* c = capturing(device))
+    return capture_call<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, op, "", grad_hy, grad_cy, cx, cy, workspace, has_bias);
+  HostKernel k(device);
   const at::Tensor c = k.alias(cx).contiguous(), ws = k.alias(workspace).contiguous();
   const int64_t B = c.size(0), H = c.size(1);
   TORCH_CHECK(ws.dim() == 2 && ws.size(0) == B && ws.size(1) == 4 * H, op,
@@ -345,8 +376,12 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& input_gates,
                                                   const std::optional<at::Tensor>& hidden_bias) {
   const char* op = "aten::_thnn_fused_gru_cell";
   const at::Tensor bi_dev = or_undefined(input_bias), bh_dev = or_undefined(hidden_bias);
-  HostKernel k(op_device(op, {&input_gates, &hidden_gates, &hx, &bi_dev, &bh_dev}));
+  const int device = op_device(op, {&input_gates, &hidden_gates, &hx, &bi_dev, &bh_dev});
   check_cell(op, input_gates, hidden_gates, bi_dev, bh_dev, 3, hx);
+  if (Capture* c = capturing(device))
+    return capture_call_meta<std::tuple<at::Tensor, at::Tensor>>(
+        c, device, op, "", &gru_cell_meta, input_gates, hidden_gates, hx, input_bias, hidden_bias);
+  HostKernel k(device);
   const at::Tensor ig = k.alias(input_gates).contiguous(), hg = k.alias(hidden_gates).contiguous();
   const at::Tensor h = k.alias(hx).contiguous();
   const at::Tensor bi = contiguous_alias(k, bi_dev), bh = contiguous_alias(k, bh_dev);
@@ -416,7 +451,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
     const at::Tensor& grad_hy, const at::Tensor& workspace, bool has_bias) {
   const char* op = "aten::_thnn_fused_gru_cell_backward";
   if (!grad_hy.defined()) return {};
-  HostKernel k(op_device(op, {&grad_hy, &workspace}));
+  const int device = op_device(op, {&grad_hy, &workspace});
+  if (Capture* c = capturing(device))
+    return capture_call_meta<
+        std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, op, "", &gru_cell_backward_meta, grad_hy, workspace, has_bias);
+  HostKernel k(device);
   const at::Tensor ws = k.alias(workspace).contiguous(), g = k.alias(grad_hy).contiguous();
   TORCH_CHECK(g.dim() == 2 && ws.dim() == 2 && ws.size(0) == g.size(0) &&
                   ws.size(1) == 5 * g.size(1),
@@ -691,6 +731,11 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   check_attention(op, query, key, value, bias_dev, is_causal);
   TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, op, ": dropout_p must be in [0, 1), got ",
               dropout_p);
+  if (Capture* c = capturing(device))  // graph capture: recorded, not run (adapters/graph.h)
+    return capture_call<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt,
+                                   c10::SymInt, at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, op, "", query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask,
+        scale);
   const int64_t L = query.size(-2), S = key.size(-2);
   const int64_t groups = query.size(-3) / key.size(-3);
   // The seed is drawn before the kernel (host code), like a CUDA launch reading the generator.
@@ -752,6 +797,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backw
   const int device =
       op_device(op, {&grad_out, &query, &key, &value, &attn_bias, &out, &logsumexp});
   check_attention(op, query, key, value, attn_bias, is_causal);
+  if (Capture* c = capturing(device))
+    return capture_call<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>>(
+        c, device, op, "", grad_out, query, key, value, attn_bias, grad_input_mask, out,
+        logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+        philox_offset, scale);
   const uint64_t seed =
       dropout_p > 0 ? static_cast<uint64_t>(philox_seed.item<int64_t>()) : 0;
   const int64_t groups = query.size(-3) / key.size(-3);

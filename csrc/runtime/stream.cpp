@@ -570,6 +570,7 @@ struct EventState {
   Stream* pending = nullptr;  // stream of the last record while it is not complete
   Clock::time_point when;
   Capture* captured_by = nullptr;  // the last record was recorded into this capture
+  CaptureClock capture_clock;      // what the recording stream had seen, at that record
 };
 
 EventPtr event_create(int device, bool enable_timing) {
@@ -601,21 +602,22 @@ void event_record(const EventPtr& e, Stream* s) {
   if (Capture* c = s->capture()) {
     // [docs:start CAPTURE_EVENT_RECORD]
     // Recorded into the graph: the record happens at each replay, on the replaying stream.
-    {
-      std::lock_guard lock(e->mutex);
-      e->captured_by = c;
-    }
-    {
-      std::lock_guard lock(c->mutex);
-      c->events.push_back(e);
-    }
-    capture_record(c, "event record", [e] {
+    capture_record(c, s->id(), "event record", [e] {
       {
         std::lock_guard lock(e->mutex);
         e->captured_by = nullptr;
       }
       event_record(e, current_stream(e->device));
     });
+    CaptureClock seen;
+    {
+      std::lock_guard lock(c->mutex);
+      c->events.push_back(e);
+      seen = c->clocks[s->id()];  // everything recorded on s so far, and what s waited for
+    }
+    std::lock_guard lock(e->mutex);
+    e->captured_by = c;
+    e->capture_clock = std::move(seen);
     return;
     // [docs:end CAPTURE_EVENT_RECORD]
   }
@@ -674,6 +676,35 @@ void wait_event(const EventPtr& e, bool record) {
 void event_synchronize(const EventPtr& e) { wait_event(e, /*record=*/true); }
 void event_wait_host(const EventPtr& e) { wait_event(e, /*record=*/false); }
 
+namespace {
+void merge(CaptureClock& into, const CaptureClock& from) {
+  for (const auto& [id, n] : from) into[id] = std::max(into[id], n);
+}
+
+// [docs:start CAPTURE_WAIT]
+// `s` waits for event `e` recorded in capture `c`: s joins the capture if it is not in it yet
+// (its later work is recorded into the graph, and allocations come from the graph's pool).
+void capture_wait(Capture* c, Stream* s, const EventPtr& e) {
+  TORCH_CHECK(stream_device(s) == c->device, "openreg: a stream of openreg:", stream_device(s),
+              " cannot join a graph captured on openreg:", c->device);
+  if (s->id() == 0)
+    capture_fail(c, c10::str("openreg: the default stream of openreg:", s->device(), " cannot "
+                             "join a graph capture (wait for the event on a side stream)"));
+  CaptureClock seen;
+  {
+    std::lock_guard lock(e->mutex);
+    seen = e->capture_clock;
+  }
+  std::lock_guard lock(c->mutex);
+  if (s->capture() == nullptr) {
+    s->set_capture(c);
+    c->joined.push_back(s);
+  }
+  merge(c->clocks[s->id()], seen);
+}
+// [docs:end CAPTURE_WAIT]
+}  // namespace
+
 // [docs:start EVENT_BLOCK]
 void event_block(const EventPtr& e, Stream* s) {
   uint64_t version;
@@ -687,13 +718,18 @@ void event_block(const EventPtr& e, Stream* s) {
   // [docs:start CAPTURE_EVENT_BLOCK]
   Capture* c = s->capture();
   if (recorded_in != nullptr || c != nullptr) {
-    // Within one capturing stream the recorded order already orders the work. A wait that
-    // would join another stream into the capture (fork/join across streams) is not supported.
-    if (recorded_in != nullptr && recorded_in == c) return;
+    if (recorded_in != nullptr && (c == nullptr || c == recorded_in)) {
+      // Fork (s joins the capture) or join (s, already in it, now depends on the event's
+      // stream). Replay runs the recorded work in the order it was issued, which respects
+      // every such dependency; what is tracked is only whether each forked stream was
+      // joined back into the origin stream before capture_end.
+      capture_wait(recorded_in, s, e);
+      return;
+    }
     if (recorded_in != nullptr)
-      capture_fail(recorded_in, "openreg: a stream cannot wait for an event recorded on a "
-                                "capturing stream (graphs capture a single stream; cross-stream "
-                                "capture is not supported)");
+      capture_fail(recorded_in, c10::str("openreg: stream ", s->id(), " of openreg:",
+                                         s->device(), " is capturing another graph and cannot "
+                                         "wait for an event recorded in this one"));
     capture_fail(c, "openreg: a capturing stream cannot wait for an event recorded outside the "
                     "capture that has not completed (synchronize before capture_begin)");
   }
@@ -761,6 +797,8 @@ void capture_begin(Stream* s, Capture* c) {
   c->thread = std::this_thread::get_id();
   c->work.clear();
   c->invalidated.clear();
+  c->joined.clear();
+  c->clocks.clear();
   {
     std::lock_guard lock(g_capture_mutex);
     g_captures.push_back(c);
@@ -773,6 +811,30 @@ void capture_end(Stream* s, Capture* c) {
   TORCH_CHECK(s->capture() == c, "openreg: capture_end on stream ", s->id(), " of openreg:",
               s->device(), ", which is not capturing this graph (end the capture on the stream "
               "and device where it began)");
+  // [docs:start CAPTURE_UNJOINED]
+  // Every stream that forked from the capture must have been joined back: the origin stream
+  // must have waited (directly or through other streams) for its last recorded work.
+  std::string unjoined;
+  {
+    std::lock_guard lock(c->mutex);
+    const CaptureClock& origin = c->clocks[s->id()];
+    for (Stream* joined : c->joined) {
+      const auto own = c->clocks[joined->id()].find(joined->id());
+      const uint64_t recorded = own == c->clocks[joined->id()].end() ? 0 : own->second;
+      const auto seen = origin.find(joined->id());
+      if (recorded > (seen == origin.end() ? 0 : seen->second))
+        unjoined += c10::str(unjoined.empty() ? "" : ", ", joined->id());
+      joined->set_capture(nullptr);
+    }
+    c->joined.clear();
+    if (!unjoined.empty() && c->invalidated.empty())
+      c->invalidated = c10::str(
+          "work recorded on stream(s) ", unjoined, " of openreg:", c->device, " was not joined "
+          "back into the capturing stream ", s->id(), " before capture_end (record an event on "
+          "each of them and make the capturing stream wait for it; operation not permitted: "
+          "capture unjoined)");
+  }
+  // [docs:end CAPTURE_UNJOINED]
   s->set_capture(nullptr);
   {
     std::lock_guard lock(g_capture_mutex);
@@ -808,8 +870,15 @@ Capture* capture_for_launch(Stream* s) {
 }
 
 void capture_record(Capture* c, std::string what, std::function<void()> run) {
+  capture_record(c, current_stream_id(c->device), std::move(what), std::move(run));
+}
+
+void capture_record(Capture* c, int64_t stream_id, std::string what, std::function<void()> run) {
   std::lock_guard lock(c->mutex);
+  if (stream_id != c->stream_id) what += c10::str("  [stream ", stream_id, "]");
   c->work.push_back({std::move(what), std::move(run)});
+  auto& clock = c->clocks[stream_id];
+  ++clock[stream_id];
 }
 
 [[noreturn]] void capture_fail(Capture* c, const std::string& message) {
@@ -829,9 +898,10 @@ void check_capture_permits(const char* what, int device, const Stream* s) {
     for (Capture* c : g_captures)
       if (c->device == device && (s == nullptr || c->stream_id == s->id())) conflict = c;
   }
+  if (s != nullptr && s->capture() != nullptr) conflict = s->capture();  // a forked stream
   if (conflict != nullptr)  // waiting for the capturing stream itself: never possible
     capture_fail(conflict, c10::str("openreg: ", what, " is not permitted while stream ",
-                                    conflict->stream_id, " of openreg:", device, " is capturing a "
+                                    s != nullptr ? s->id() : conflict->stream_id, " of openreg:", device, " is capturing a "
                                     "graph (operation not permitted when stream is capturing)"));
   if (Capture* c = forbidding_capture())
     capture_fail(c, c10::str("openreg: ", what, " is not permitted while a graph is being "

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -193,9 +194,13 @@ struct CapturedWork {
   std::function<void()> run;    // re-executes the work (on the replaying thread, in order)
 };
 
+// Which work of each stream of a capture a stream (or an event) has seen: stream id -> number of
+// work items recorded on that stream (a vector clock over the capture's streams).
+using CaptureClock = std::map<int64_t, uint64_t>;
+
 struct Capture {
   int device = 0;
-  int64_t stream_id = 0;
+  int64_t stream_id = 0;  // the origin stream: where capture began and must end
   CaptureMode mode = CaptureMode::Global;
   int64_t pool_key = 0;  // allocator key of the graph's private memory pool
   std::thread::id thread;
@@ -203,6 +208,10 @@ struct Capture {
   std::string invalidated;  // set by the first refused operation: capture_end then raises
   std::mutex mutex;         // work may be recorded by an autograd thread on the stream
   std::vector<std::weak_ptr<EventState>> events;  // recorded into the capture
+  // Fork/join: other streams of the device join the capture by waiting for an event recorded in
+  // it, and must be joined back into the origin stream before capture_end (as on CUDA).
+  std::vector<Stream*> joined;
+  std::map<int64_t, CaptureClock> clocks;  // per stream in the capture: what it has seen
 };
 
 // Starts/ends recording on `s`. capture_begin refuses the default stream and a stream that is
@@ -223,6 +232,9 @@ inline Capture* capturing(int device) {
 // Appends work to a capture (the thread issuing it must be the one whose current stream
 // captures, or an autograd thread running on that stream).
 void capture_record(Capture* capture, std::string what, std::function<void()> run);
+// The same, for work issued on stream `stream_id` of the capture's device.
+void capture_record(Capture* capture, int64_t stream_id, std::string what,
+                    std::function<void()> run);
 // Raises a clear error (and invalidates the capture it conflicts with) when `what`, an
 // operation that makes the host wait for stream `s` of `device` (s may be nullptr: any/all
 // streams of the device), is not permitted under a capture running now.
