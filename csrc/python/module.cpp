@@ -12,6 +12,7 @@
 #include "runtime/device.h"
 #include "runtime/stream.h"
 
+#include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/ops/empty_strided.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
@@ -176,6 +177,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("_host_reset_peak_stats", [] { openreg::host_allocator()->reset_peak_stats(); });
   m.def("_is_pinned_pointer", [](uintptr_t ptr) {
     return openreg::is_pinned_pointer(reinterpret_cast<void*>(ptr));
+  });
+
+  // ---- PrivateUse1 hooks (adapters/hooks.cpp), called through the registered interface as
+  // PyTorch's C++ code calls them, for the virtuals no Python API of torch reaches
+  m.def("_hooks_has_primary_context", [](int device) {
+    return at::detail::getPrivateUse1Hooks().hasPrimaryContext(static_cast<c10::DeviceIndex>(device));
+  });
+  m.def("_hooks_device_from_ptr", [](uintptr_t ptr) {
+    return at::detail::getPrivateUse1Hooks().getDeviceFromPtr(reinterpret_cast<void*>(ptr)).index();
   });
 
   // ---- distributed (adapters/distributed.cpp): the occl c10d backend over a gloo backend
