@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 2 examples/ddp.py [--steps 100]
 
-torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the process group picks
-the `occl` backend for openreg tensors (torch_openreg/distributed.py, docs/distributed.md). Each
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the process group, made
+without a backend name as on CUDA, gets the `occl` backend for openreg tensors and gloo for CPU
+tensors (torch_openreg/distributed.py, docs/distributed.md). Each
 rank trains on its own shard of a synthetic regression problem; DDP averages the gradients.
 """
 
@@ -25,7 +26,7 @@ def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("openreg", local_rank % torch.openreg.device_count())
     torch.openreg.set_device(device)
-    dist.init_process_group("occl", device_id=device)
+    dist.init_process_group(device_id=device)  # "cpu:gloo,openreg:occl"
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} on {device}", flush=True)
 

@@ -30,12 +30,14 @@ JOB_TIMEOUT = 150  # seconds for one spawned job, startup included
 # harness: run `check(rank, world)` in `world` spawned processes
 
 
-def _entry(check, rank, world, init_file, backend, timeout_s, queue, env):
+def _entry(check, rank, world, init_file, backend, device_id, timeout_s, queue, env):
     os.environ.update(env)
     dist.set_debug_level_from_env()  # read when torch was imported, before `env` was set
     try:
         torch.openreg.set_device(rank % torch.openreg.device_count())
         kwargs = {} if backend is None else {"backend": backend}
+        if device_id:
+            kwargs["device_id"] = _dev(rank)
         dist.init_process_group(init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         result = check(rank, world)
@@ -47,15 +49,16 @@ def _entry(check, rank, world, init_file, backend, timeout_s, queue, env):
 
 
 def run_ranks(check, world=2, backend="cpu:gloo,openreg:occl", timeout_s=60.0,
-              job_timeout=JOB_TIMEOUT, expect_errors=False, env=None):
+              job_timeout=JOB_TIMEOUT, expect_errors=False, env=None, device_id=False):
     """Runs `check` on `world` ranks; returns {rank: (status, result or traceback)}. Raises
-    AssertionError naming the failing rank unless `expect_errors`."""
+    AssertionError naming the failing rank unless `expect_errors`. `backend=None` calls
+    init_process_group without a backend name; `device_id` passes the rank's device."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(check, r, world, init_file, backend, timeout_s,
-                                                  queue, env or {})) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(check, r, world, init_file, backend, device_id,
+                                                  timeout_s, queue, env or {})) for r in range(world)]
         saved = dict(os.environ)
         os.environ.update(env or {})  # the children start with it (read by torch at import)
         try:
@@ -99,6 +102,34 @@ def _dev(rank):
 
 # ---------------------------------------------------------------------------------------------
 # collectives with real data (one job, several checks)
+
+
+def _check_reduce_like_cpu(rank, world):
+    """reduce: the root gets the reduction; a non-root tensor is left as gloo leaves it on the
+    CPU (its scratch space: partial reductions), element for element. NCCL would leave it
+    unchanged; gloo on the CPU is the reference here."""
+    dev = _dev(rank)
+    R = dist.ReduceOp
+    for op in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX):
+        for n in (5, 1000):
+            for dst in range(world):
+                init = torch.arange(n, dtype=torch.float32) % 7 + rank + 1
+                c = init.clone()
+                dist.reduce(c, dst=dst, op=op)  # gloo, CPU tensors of the same group
+                x = init.to(dev)
+                dist.reduce(x, dst=dst, op=op)
+                assert torch.equal(x.cpu(), c), (op, n, dst, rank, x.cpu()[:4], c[:4])
+                if rank == dst:
+                    full = torch.stack([torch.arange(n, dtype=torch.float32) % 7 + r + 1
+                                        for r in range(world)])
+                    ref = {R.SUM: full.sum(0), R.AVG: full.mean(0), R.PRODUCT: full.prod(0),
+                           R.MIN: full.min(0).values, R.MAX: full.max(0).values}[op]
+                    torch.testing.assert_close(x.cpu(), ref)
+    # PREMUL_SUM (gloo on the CPU refuses it): the root gets the sum of the scaled inputs
+    x = torch.full((5,), float(rank + 1), device=dev)
+    dist.reduce(x, dst=0, op=dist._make_nccl_premul_sum(0.5))
+    if rank == 0:
+        assert torch.equal(x.cpu(), torch.full((5,), 0.5 * sum(range(1, world + 1))))
 
 
 def _check_collectives(rank, world):
@@ -167,10 +198,7 @@ def _check_collectives(rank, world):
     x = torch.full((5,), float(rank), device=dev)
     dist.broadcast(x, src=1)
     assert torch.equal(x.cpu(), torch.full((5,), 1.0))
-    x = torch.full((5,), float(rank + 1), device=dev)
-    dist.reduce(x, dst=0, op=R.AVG)
-    if rank == 0:  # as with gloo on the CPU, a non-root tensor is scratch space
-        assert torch.equal(x.cpu(), torch.full((5,), (world + 1) / 2)), x
+    _check_reduce_like_cpu(rank, world)
 
     # all_gather, all_gather_into_tensor, reduce_scatter_tensor
     outs = [torch.empty(3, device=dev) for _ in range(world)]
@@ -269,7 +297,7 @@ def test_collectives():
 # how a process group picks occl; errors named by occl
 
 
-def _check_selection(rank, world):
+def _check_occl_only(rank, world):
     dev = _dev(rank)
     group = dist.group.WORLD
     assert group._get_backend(dev).name() == "occl"
@@ -282,18 +310,62 @@ def _check_selection(rank, world):
     return dist.get_backend()
 
 
-@pytest.mark.parametrize("backend", ["occl", None])
-def test_backend_selection(backend):
-    # None: init_process_group() without a backend name picks occl for the openreg accelerator
-    results, _ = run_ranks(_check_selection, backend=backend)
-    if backend == "occl":
-        assert results[0][1] == "occl"
+def test_occl_alone():
+    results, _ = run_ranks(_check_occl_only, backend="occl")
+    assert results[0][1] == "occl"
+
+
+def _check_default_backends(rank, world):
+    """init_process_group() without a backend name (with or without device_id=): gloo for CPU
+    tensors, occl for openreg tensors, in the group and in its subgroups; DDP trains."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = _dev(rank)
+    for group in (dist.group.WORLD, dist.new_group(list(range(world)))):
+        assert group._get_backend(dev).name() == "occl"
+        assert group._get_backend(torch.device("cpu")).name() == "gloo"
+        x = torch.full((3,), float(rank + 1), device=dev)
+        dist.all_reduce(x, group=group)
+        c = torch.full((3,), float(rank + 1))
+        dist.all_reduce(c, group=group)
+        assert x.cpu().tolist() == c.tolist() == [float(sum(range(1, world + 1)))] * 3
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rank)  # through openreg, the current device
+    assert gathered == list(range(world))
+    # DDP's constructor asks the group for its default backend (torch 2.13 made it GLOO without
+    # creating it: "Could not find backend type 1")
+    ddp = DDP(_mlp().to(dev), device_ids=[dev.index])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    for x, y in _batches(world):
+        opt.zero_grad()
+        F.mse_loss(ddp(x[mine].to(dev)), y[mine].to(dev)).backward()
+        opt.step()
+    for p, q in zip(ddp.module.parameters(), _reference(world).parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-5)
+    return dist.get_backend(), dist.group.WORLD._get_backend_name()
+
+
+@pytest.mark.parametrize("device_id", [False, True])
+def test_no_backend_name(device_id):
+    results, _ = run_ranks(_check_default_backends, backend=None, device_id=device_id)
+    # torch records the name it was given: none ("undefined") or the one found for device_id;
+    # the group's default backend: occl ("custom", as with "occl"), or none named (as with
+    # "cpu:gloo,openreg:occl" spelled out)
+    if device_id:
+        assert results[0][1] == ("cpu:gloo,openreg:occl", "undefined")
+    else:
+        assert results[0][1] == ("undefined", "custom")
 
 
 def test_registration():
-    assert dist.Backend.default_device_backend_map["openreg"] == "occl"
+    assert dist.Backend.default_device_backend_map["openreg"] == "cpu:gloo,openreg:occl"
+    assert dist.get_default_backend_for_device("openreg") == "cpu:gloo,openreg:occl"
     assert dist.Backend.backend_capability["occl"] == ["openreg"]
     assert dist.Backend("occl") == "occl"
+    assert dist.is_backend_available("occl")
+    assert dist.is_backend_available("cpu:gloo,openreg:occl")
 
 
 def _check_strict_memory(rank, world):
@@ -327,6 +399,7 @@ def test_strict_memory():
 def _check_three_ranks(rank, world):
     dev = _dev(rank)
     assert dev.index == rank % 2  # ranks 0 and 2 share openreg:0
+    _check_reduce_like_cpu(rank, world)  # gloo's scratch differs between ranks with 3 ranks
     x = torch.full((4,), float(rank + 1), device=dev)
     dist.all_reduce(x)
     assert x.cpu().tolist() == [6.0] * 4
@@ -545,14 +618,18 @@ def _shm():
         return set()
 
 
-def _check_mismatch(rank, world):
-    x = torch.ones(4 + 4 * rank, device=_dev(rank))  # 4 elements on rank 0, 8 on rank 1
+def _check_mismatch(rank, world, device=None):
+    x = torch.ones(4 + 4 * rank, device=device or _dev(rank))  # 4 elements on rank 0, 8 on rank 1
     t0 = time.monotonic()
     try:
         dist.all_reduce(x)
     except RuntimeError as e:
         return ("error", str(e), time.monotonic() - t0)
     return ("no error", x.cpu().tolist(), time.monotonic() - t0)
+
+
+def _check_mismatch_cpu(rank, world):
+    return _check_mismatch(rank, world, "cpu")
 
 
 def _check_killed(rank, world):
@@ -583,17 +660,20 @@ def _check_timeout(rank, world):
     return ("no error", None, time.monotonic() - t0)
 
 
-@pytest.mark.parametrize("case", ["mismatch", "killed", "timeout"])
+@pytest.mark.parametrize("case", ["mismatch", "mismatch_no_backend_name", "killed", "timeout"])
 def test_failures_raise_within_timeout(case):
     """Mismatched shapes are checked with TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's switch for it
     (without it, gloo aborts the rank that receives more data than it expects; see
-    test_mismatch_without_debug)."""
-    check = {"mismatch": _check_mismatch, "killed": _check_killed, "timeout": _check_timeout}[case]
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if case == "mismatch" else None
+    test_mismatch_without_debug), also in the group init_process_group() builds without a
+    backend name."""
+    check = {"mismatch": _check_mismatch, "mismatch_no_backend_name": _check_mismatch,
+             "killed": _check_killed, "timeout": _check_timeout}[case]
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if case.startswith("mismatch") else None
+    backend = None if case == "mismatch_no_backend_name" else "cpu:gloo,openreg:occl"
     shm = _shm()
     t0 = time.monotonic()
     results, exitcodes = run_ranks(check, timeout_s=3.0, job_timeout=60, expect_errors=True,
-                                   env=env)
+                                   env=env, backend=backend)
     elapsed = time.monotonic() - t0
     survivors = {r: v for r, (status, v) in results.items() if status == "ok"}
     if case == "killed":
@@ -617,11 +697,15 @@ def test_failures_raise_within_timeout(case):
 
 
 def test_mismatch_without_debug():
-    """gloo's own behaviour, unchanged by occl: the rank receiving more bytes than it expects
-    aborts with gloo's message; the other one raises. Nothing hangs."""
-    results, exitcodes = run_ranks(_check_mismatch, timeout_s=3.0, job_timeout=60,
-                                   expect_errors=True)
-    raised = [r for r, (status, v) in results.items() if status == "ok" and v[0] == "error"]
-    aborted = [r for r, code in enumerate(exitcodes) if code == -signal.SIGABRT]
-    assert sorted(raised + aborted) == [0, 1], (results, exitcodes)
+    """Without TORCH_DISTRIBUTED_DEBUG=DETAIL occl does what gloo does on CPU tensors (the
+    reference, run in the same job): the rank that receives more bytes than it expects (rank 0:
+    4 elements against rank 1's 8) aborts inside gloo ("Received data size doesn't match
+    expected size"), the other one raises "Connection reset by peer". Nothing hangs."""
+    outcomes = {}
+    for device, check in (("cpu", _check_mismatch_cpu), ("openreg", _check_mismatch)):
+        results, exitcodes = run_ranks(check, timeout_s=3.0, job_timeout=60, expect_errors=True)
+        raised = [r for r, (status, v) in results.items() if status == "ok" and v[0] == "error"]
+        aborted = [r for r, code in enumerate(exitcodes) if code == -signal.SIGABRT]
+        outcomes[device] = (aborted, raised)
+    assert outcomes["openreg"] == outcomes["cpu"] == ([0], [1]), outcomes
     assert not multiprocessing.active_children()

@@ -3,9 +3,10 @@
 Registered when torch_openreg is imported (``import torch`` already imports
 ``torch.distributed``, so this adds nothing measurable to the import time)::
 
-    dist.init_process_group()                          # openreg tensors -> occl
-    dist.init_process_group("cpu:gloo,openreg:occl")   # and CPU tensors -> gloo
-    dist.init_process_group("occl")
+    dist.init_process_group()                          # CPU tensors -> gloo, openreg -> occl
+    dist.init_process_group(device_id=torch.device("openreg", rank))   # the same
+    dist.init_process_group("cpu:gloo,openreg:occl")   # the same, spelled out
+    dist.init_process_group("occl")                    # openreg tensors only, like "nccl"
 
 Each occl process group holds a gloo backend of the same ranks; every collective hands gloo CPU
 tensors that alias the device memory (native side: csrc/adapters/distributed.cpp), so gloo's
@@ -20,9 +21,12 @@ import torch
 
 from torch_openreg import _C
 
-__all__ = ["BACKEND_NAME", "create_backend"]
+__all__ = ["BACKEND_NAME", "DEFAULT_BACKEND", "create_backend"]
 
 BACKEND_NAME = "occl"
+# What a process group gets when no backend name is given: gloo for CPU tensors, occl for
+# openreg tensors (`Backend.default_device_backend_map["openreg"]`).
+DEFAULT_BACKEND = "cpu:gloo,openreg:occl"
 
 
 # [docs:start CREATE_BACKEND]
@@ -33,6 +37,41 @@ def create_backend(store, group_rank: int, group_size: int, timeout: datetime.ti
 
     gloo = ProcessGroupGloo(store, group_rank, group_size, timeout)
     return _C._occl_backend(gloo)
+# [docs:end CREATE_BACKEND]
+
+
+# [docs:start DEFAULT_GROUP]
+def _create_default_group(opts, backend_options=None):
+    """``init_process_group()`` / ``new_group()`` without a backend name: torch 2.13 builds the
+    group for the current accelerator only (``BackendConfig`` with the backend "undefined" looks
+    up ``default_device_backend_map["openreg"]``), and makes GLOO the group's default backend
+    without creating it. The name found there is ``DEFAULT_BACKEND``; its creator returns the
+    whole ``ProcessGroup`` (torch uses a returned ProcessGroup as the group itself), with gloo
+    for CPU tensors and occl, the default backend, for openreg tensors: the group that
+    ``init_process_group("cpu:gloo,openreg:occl")`` builds."""
+    from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+    group = ProcessGroup(store, rank, size)
+    gloo = ProcessGroupGloo(PrefixStore("cpu/", store), rank, size, timeout)
+    gloo.options.global_ranks_in_group = list(opts.global_ranks_in_group)
+    gloo.options.group_name = opts.group_id
+    gloo._set_sequence_number_for_group()
+    occl = create_backend(PrefixStore("openreg/", store), rank, size, timeout)
+    backends = {"cpu": (ProcessGroup.BackendType.GLOO, gloo),
+                "openreg": (ProcessGroup.BackendType.CUSTOM, occl)}
+    for device, (backend_type, backend) in backends.items():
+        if c10d.get_debug_level() == c10d.DebugLevel.DETAIL:
+            # what torch does for the backends it creates itself: check every collective's
+            # shapes across ranks first
+            backend = c10d._create_process_group_wrapper(
+                wrapped_pg=backend, store_prefix=opts.group_id,
+                store=PrefixStore(f"{device}/", store), rank=rank, world_size=size,
+                timeout=timeout)
+        group._register_backend(torch.device(device), backend_type, backend)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)  # as NCCL is on CUDA
+    return group
 
 
 def _register() -> None:
@@ -42,7 +81,14 @@ def _register() -> None:
     if BACKEND_NAME.upper() in Backend._plugins:
         return
     Backend.register_backend(BACKEND_NAME, create_backend, devices=["openreg"])
-# [docs:end CREATE_BACKEND]
+    # No backend name: "cpu:gloo,openreg:occl". With device_id=, torch parses the name itself
+    # and builds both backends; without it, torch calls the creator registered under the name.
+    # (Not through register_backend: that would list the name as one backend, and an explicit
+    # init_process_group("cpu:gloo,openreg:occl") would then no longer be parsed per device.)
+    Backend.default_device_backend_map["openreg"] = DEFAULT_BACKEND
+    Backend._plugins[DEFAULT_BACKEND.upper()] = Backend._BackendPlugin(
+        _create_default_group, True)
+# [docs:end DEFAULT_GROUP]
 
 
 _register()

@@ -367,27 +367,20 @@ class OcclBackend : public Backend {
                            });
   }
 
+  // reduce: the root gets the reduction; on the other ranks the tensor is gloo's scratch space
+  // (partial reductions), as with gloo on the CPU, and AVG divides it there too, as gloo on the
+  // CPU does (NCCL leaves non-root tensors unchanged; docs/distributed.md).
   c10::intrusive_ptr<Work> reduce(TensorList& tensors, const c10d::ReduceOptions& opts) override {
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
     call.start();
-    if (premultiplies(r)) {
-      // Non-root inputs must stay as they are: reduce a scaled copy on those ranks.
-      for (auto& t : a) {
-        if (getRank() == opts.rootRank) {
-          premultiply(r, t);
-        } else {
-          t = t.clone();
-          premultiply(r, t);
-        }
-      }
-    }
+    if (premultiplies(r))
+      for (auto& t : a) premultiply(r, t);
     c10d::ReduceOptions o = opts;
     o.reduceOp = r.gloo_op;
     auto inner = gloo_->reduce(a, o);
-    TensorList root_out = getRank() == opts.rootRank ? a : TensorList{};
-    return record(call.finish(OpType::REDUCE, inner, tensors, average(r, root_out, getSize())));
+    return record(call.finish(OpType::REDUCE, inner, tensors, average(r, a, getSize())));
   }
 
   c10::intrusive_ptr<Work> broadcast(TensorList& tensors,
