@@ -261,6 +261,38 @@ def test_control_flow_subgraphs():
     torch.testing.assert_close(g(-x).cpu(), f(-x.cpu()))
 
 
+def test_loop_transforms_are_off_for_openreg_graphs_only():
+    """Three loop transformations of Inductor's fusion pass that C++ kernels do not support are
+    turned off while a graph with openreg nodes is fused (compile.py, OpenRegScheduling); a CPU
+    graph of the same process, compiled before or after, is fused with torch's settings."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    names = ("loop_ordering_after_fusion", "loop_reindexing_after_fusion",
+             "loop_index_inversion_in_fusion")
+    defaults = tuple(config._config[n].default for n in names)  # torch's, env included
+    seen = set()
+
+    class Recorder(InductorChoices):
+        @staticmethod
+        def can_fuse(scheduler, node1, node2, shared_data_score):
+            seen.add((node1.get_device().type, tuple(getattr(config, n) for n in names)))
+            return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+    def f(x):
+        return (x.sin() * 2).sum(1) + x.cos().sum(1)
+
+    # no cache: the scheduler must run for every graph
+    with V.set_choices_handler(Recorder()), config.patch(fx_graph_cache=False):
+        for device in ("cpu", "openreg:1", "cpu"):
+            torch._dynamo.reset()
+            x = torch.rand(8, 16, device=device)
+            torch.testing.assert_close(torch.compile(f)(x).cpu(), f(x.cpu()))
+    assert seen == {("cpu", defaults), ("openreg", (False, False, False))}, seen
+    assert tuple(getattr(config, n) for n in names) == defaults
+
+
 def test_streams_inside_compiled_region_are_correct():
     # Side streams inside a compiled function graph-break (docs/compile.md, pitfalls), and the
     # work still runs in the right order.

@@ -186,6 +186,14 @@ _INDUCTOR_MODULES = ("torch._inductor.codegen.common", "torch._inductor.codegen.
                      "torch._inductor.codegen.cpp")
 _inductor_modules: dict[str, Any] = {}
 
+# The scheduler's loop transformations during fusion that it skips for "cpu" nodes only: the C++
+# kernel generator does not support them (loop_reindexing_after_fusion reads a reduction's
+# Triton-style (numel, rnumel) group where C++ scheduling groups by loop sizes: "can't multiply
+# sequence by non-int of type 'tuple'"; torch's scheduler: "CPU reindexing is not validated yet").
+_NO_LOOP_TRANSFORMS = {"loop_ordering_after_fusion": False,
+                       "loop_reindexing_after_fusion": False,
+                       "loop_index_inversion_in_fusion": False}
+
 
 def _inductor_module_loaded(module: Any) -> None:
     _inductor_modules[module.__name__] = module
@@ -284,7 +292,24 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         it writes; that function knows the device types cpu, mps, xpu and tpu and answers
         ``config.cuda_backend`` ("triton") for any other. While this class generates kernels,
         the answer is made "cpp".
+
+        The scheduler's fusion pass also treats every device but "cpu" as a Triton device: it
+        tries three loop transformations (``_NO_LOOP_TRANSFORMS``) that the C++ kernel
+        generator does not support, and skips them for nodes on "cpu" only. The scheduler of a
+        graph makes this object when it creates the graph's first openreg node, before fusing:
+        its fusion pass then runs with the three turned off. Other graphs keep torch's settings.
         """
+
+        def __init__(self, scheduler):
+            super().__init__(scheduler)
+            if scheduler is not None and "fuse_nodes" not in vars(scheduler):
+                fuse_nodes = scheduler.fuse_nodes
+
+                def fuse_nodes_without_loop_transforms(nodes):
+                    with inductor_config.patch(_NO_LOOP_TRANSFORMS):
+                        return fuse_nodes(nodes)
+
+                scheduler.fuse_nodes = fuse_nodes_without_loop_transforms  # this graph's only
 
         def codegen_node(self, node):
             with inductor_config.patch(cuda_backend="cpp"):
@@ -320,12 +345,6 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
     common.register_backend_for_device("openreg", OpenRegScheduling, OpenRegWrapperCodegen,
                                        device_custom_pass=OpenRegCodegenVersion())
     common.register_device_op_overrides("openreg", OpenRegDeviceOpOverrides())
-    # Three loop transformations of the scheduler's fusion pass are not supported by the C++
-    # codegen; the scheduler skips them for nodes whose device type is "cpu" only, so they are
-    # turned off here (for every device of the process; CPU nodes skip them anyway).
-    inductor_config.loop_ordering_after_fusion = False
-    inductor_config.loop_reindexing_after_fusion = False
-    inductor_config.loop_index_inversion_in_fusion = False
     # [docs:end REGISTER_BACKEND]
 
 
