@@ -410,3 +410,22 @@ def test_dataloader_workers_pin_memory_and_non_blocking_copies():
     reference, _ = _train("cpu", torch.utils.data.DataLoader(_Squares(), batch_size=8))
     for p, r in zip(params, reference):
         torch.testing.assert_close(p, r)
+
+
+class _DeviceSamples(torch.utils.data.Dataset):
+    """Made on the device inside the (spawned) worker: each batch crosses processes by IPC."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i), device="openreg:1") * 2
+
+
+def test_dataloader_spawn_workers_send_device_tensors():
+    loader = torch.utils.data.DataLoader(_DeviceSamples(), batch_size=4, num_workers=2,
+                                         multiprocessing_context="spawn")
+    batches = list(loader)
+    assert [b.device for b in batches] == [torch.device("openreg:1")] * 3
+    got = torch.cat([b.cpu() for b in batches])
+    assert torch.equal(got, (torch.arange(12.0) * 2).unsqueeze(1).expand(12, 3))

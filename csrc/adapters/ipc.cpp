@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,13 @@ Receiver& receiver() {
   return *r;
 }
 
+// Drops the entries of files no longer mapped here (called when a new one is mapped).
+template <typename T>
+void forget_unmapped(std::map<FileId, std::weak_ptr<T>>& files) {
+  for (auto it = files.begin(); it != files.end();)
+    it = it->second.expired() ? files.erase(it) : std::next(it);
+}
+
 std::shared_ptr<CountMap> open_counts(int fd, size_t size) {
   off_t file_size = 0;
   FileId id = file_id(fd, &file_size);
@@ -137,6 +145,7 @@ std::shared_ptr<CountMap> open_counts(int fd, size_t size) {
   auto& r = receiver();
   std::lock_guard lock(r.mutex);
   if (auto existing = r.counts[id].lock()) return existing;
+  forget_unmapped(r.counts);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   TORCH_CHECK(p != MAP_FAILED, "openreg IPC: cannot map the reference-count file");
   auto m = std::shared_ptr<CountMap>(new CountMap{static_cast<Slot*>(p), size});
@@ -239,6 +248,7 @@ c10::Storage ipc_import(const IpcHandle& h) {
     std::lock_guard lock(r.mutex);
     mapping = r.segments[id].lock();
     if (!mapping) {
+      forget_unmapped(r.segments);
       int fd = dup(h.segment_fd);
       TORCH_CHECK(fd >= 0, "openreg IPC: cannot duplicate the segment's file descriptor");
       void* base = segment_import(h.device, fd, h.segment_size);
