@@ -62,3 +62,6 @@ _compile.install()
 
 # The `occl` c10d backend for openreg tensors (docs/distributed.md).
 from torch_openreg import distributed  # noqa: E402,F401
+
+# Device tensors across processes: torch.multiprocessing reductions of openreg storages (docs/ipc.md).
+from torch_openreg import multiprocessing  # noqa: E402,F401

@@ -8,6 +8,8 @@
 // cache, raises torch.OutOfMemoryError.
 #include "adapters/device_allocator.h"
 
+#include "adapters/ipc.h"
+
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -97,8 +99,12 @@ class DeviceCache {
       size_t segment_size = segment_size_for(size);
       char* mem = reserve(segment_size);
       if (mem == nullptr) {
-        // Like CUDA: release every cached segment and try once more before failing.
+        // Like CUDA: release every cached segment and try once more before failing, after
+        // freeing the storages other processes have stopped using (IPC, adapters/ipc.cpp).
         stats_.num_alloc_retries++;
+        lock.unlock();
+        ipc_collect();  // frees blocks: must not hold the mutex
+        lock.lock();
         wait_outstanding(lock);
         release_cached();
         mem = reserve(segment_size);

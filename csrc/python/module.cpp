@@ -5,6 +5,7 @@
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
 #include "adapters/host_allocator.h"
+#include "adapters/ipc.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
@@ -16,6 +17,7 @@
 #include <ATen/ops/empty_strided.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
@@ -190,6 +192,25 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- distributed (adapters/distributed.cpp): the occl c10d backend over a gloo backend
   m.def("_occl_backend", &openreg::make_occl_backend);
+
+  // ---- IPC (adapters/ipc.cpp): device storages shared with other processes
+  m.def("_ipc_export", [](py::handle obj) {
+    if (!THPStorage_Check(obj.ptr())) throw py::type_error("_ipc_export: expected an UntypedStorage");
+    openreg::IpcHandle h = openreg::ipc_export(THPStorage_Unpack(obj.ptr()));
+    return py::make_tuple(h.device, h.segment_fd, h.segment_size, h.offset, h.nbytes, h.counter_fd,
+                          h.counter_size, h.counter_slot);
+  });
+  m.def("_ipc_import", [](int device, int segment_fd, size_t segment_size, size_t offset,
+                          size_t nbytes, int counter_fd, size_t counter_size, size_t counter_slot) {
+    c10::Storage storage = openreg::ipc_import(openreg::IpcHandle{
+        device, segment_fd, segment_size, offset, nbytes, counter_fd, counter_size, counter_slot});
+    return py::reinterpret_steal<py::object>(THPStorage_Wrap(std::move(storage)));
+  });
+  m.def("_ipc_release", &openreg::ipc_release);
+  m.def("_ipc_collect", [] {
+    py::gil_scoped_release no_gil;
+    return openreg::ipc_collect();
+  });
 
   // ---- profiler (adapters/profiler.cpp): whether Kineto has taken the device's activity profiler
   m.def("_profiler_registered", &openreg::profiler_registered);

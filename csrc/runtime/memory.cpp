@@ -1,5 +1,6 @@
 // Native because: the simulated device driver owns device memory; segments are mmap'd so that
-// strict isolation can revoke host access with mprotect, which only native code can do.
+// strict isolation can revoke host access with mprotect, and backed by shared-memory files so that
+// other processes can map them (IPC), which only native code can do.
 #include "runtime/memory.h"
 
 #include "runtime/device.h"
@@ -7,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -24,6 +26,8 @@ namespace {
 struct Segment {
   size_t size;
   int device;
+  int fd;         // shared-memory file backing the segment (-1: anonymous memory)
+  bool imported;  // mapped from another process's segment: not counted in `used`
 };
 
 struct Registry {
@@ -81,6 +85,49 @@ void install_segv_handler() {
   });
 }
 
+// [docs:start SEGMENT_MMAP]
+// Maps a segment (from its shared-memory file, or anonymous memory when fd < 0) and registers
+// it. In strict mode it starts host-inaccessible unless a kernel is running.
+void* map_segment(int device, size_t size, int fd, bool imported) {
+  const bool strict = strict_memory();
+  if (strict) install_segv_handler();
+  std::unique_lock protect_lock(g_protect_mutex, std::defer_lock);
+  if (strict) protect_lock.lock();
+  int prot = (strict && g_scopes == 0) ? PROT_NONE : (PROT_READ | PROT_WRITE);
+  void* p = fd >= 0 ? mmap(nullptr, size, prot, MAP_SHARED | MAP_NORESERVE, fd, 0)
+                    : mmap(nullptr, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  // [docs:end SEGMENT_MMAP]
+  auto& r = registry();
+  std::unique_lock lock(r.mutex);
+  auto base = reinterpret_cast<uintptr_t>(p);
+  r.segments.emplace(base, Segment{size, device, fd, imported});
+  uintptr_t low = g_low.load();
+  while (base < low && !g_low.compare_exchange_weak(low, base)) {
+  }
+  uintptr_t high = g_high.load();
+  while (base + size > high && !g_high.compare_exchange_weak(high, base + size)) {
+  }
+  return p;
+}
+
+// [docs:start SEGMENT_FILE]
+// The segment's memory is a file in the kernel's shared memory (memfd: no name in /dev/shm, its
+// pages are freed when the last mapping and descriptor of it are gone, in whatever process).
+// Without a descriptor left (RLIMIT_NOFILE), the segment is anonymous memory: usable, not shareable.
+int segment_file(int device, size_t size) {
+  char name[32];
+  snprintf(name, sizeof name, "openreg-device%d", device);
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+// [docs:end SEGMENT_FILE]
+
 }  // namespace
 
 bool strict_memory() noexcept {
@@ -100,27 +147,21 @@ void* segment_alloc(int device, size_t size) {
     if (r.used[device] + size > device_capacity()) return nullptr;
     r.used[device] += size;  // reserve before mapping so concurrent callers see the capacity
   }
-  // [docs:start SEGMENT_MMAP]
-  const bool strict = strict_memory();
-  if (strict) install_segv_handler();
-  std::unique_lock protect_lock(g_protect_mutex, std::defer_lock);
-  if (strict) protect_lock.lock();
-  int prot = (strict && g_scopes == 0) ? PROT_NONE : (PROT_READ | PROT_WRITE);
-  void* p = mmap(nullptr, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  // [docs:end SEGMENT_MMAP]
-  std::unique_lock lock(r.mutex);
-  if (p == MAP_FAILED) {
+  int fd = segment_file(device, size);
+  void* p = map_segment(device, size, fd, /*imported=*/false);
+  if (p == nullptr) {
+    if (fd >= 0) close(fd);
+    std::unique_lock lock(r.mutex);
     r.used[device] -= size;
-    return nullptr;
   }
-  auto base = reinterpret_cast<uintptr_t>(p);
-  r.segments.emplace(base, Segment{size, device});
-  uintptr_t low = g_low.load();
-  while (base < low && !g_low.compare_exchange_weak(low, base)) {
-  }
-  uintptr_t high = g_high.load();
-  while (base + size > high && !g_high.compare_exchange_weak(high, base + size)) {
-  }
+  return p;
+}
+
+void* segment_import(int device, int fd, size_t size) {
+  check_device(device);
+  lazy_init();
+  void* p = map_segment(device, size, fd, /*imported=*/true);
+  if (p == nullptr) close(fd);
   return p;
 }
 
@@ -130,9 +171,23 @@ void segment_free(void* ptr) {
   std::unique_lock lock(r.mutex);
   auto it = r.segments.find(reinterpret_cast<uintptr_t>(ptr));
   TORCH_INTERNAL_ASSERT(it != r.segments.end(), "openreg: freeing an unknown segment");
-  r.used[it->second.device] -= it->second.size;
+  if (!it->second.imported) r.used[it->second.device] -= it->second.size;
   munmap(ptr, it->second.size);
+  if (it->second.fd >= 0) close(it->second.fd);
   r.segments.erase(it);
+}
+
+bool find_segment(const void* ptr, SegmentInfo& info) {
+  auto addr = reinterpret_cast<uintptr_t>(ptr);
+  auto& r = registry();
+  std::shared_lock lock(r.mutex);
+  auto it = r.segments.upper_bound(addr);
+  if (it == r.segments.begin()) return false;
+  --it;
+  if (addr >= it->first + it->second.size) return false;
+  info = SegmentInfo{reinterpret_cast<char*>(it->first), it->second.size, it->second.device,
+                     it->second.fd};
+  return true;
 }
 
 size_t driver_used(int device) {

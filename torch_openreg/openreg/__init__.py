@@ -159,6 +159,12 @@ def synchronize(device: Any = None) -> None:
     _C._synchronize(_device_index(device))
 
 
+def ipc_collect() -> int:
+    """Frees the device memory of storages sent to other processes once those processes have
+    released them (``torch.cuda.ipc_collect``); returns how many are still in use elsewhere."""
+    return _C._ipc_collect()
+
+
 class _DeviceProperties(NamedTuple):
     name: str
     total_memory: int
