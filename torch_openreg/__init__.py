@@ -62,3 +62,8 @@ _compile.install()
 
 # The `occl` c10d backend for openreg tensors (docs/distributed.md).
 from torch_openreg import distributed  # noqa: E402,F401
+
+# OPENREG_SANITIZE=1: the stream sanitizer checks the whole program (docs/sanitizer.md).
+from torch_openreg import sanitizer as _sanitizer  # noqa: E402
+
+_sanitizer._enable_from_environment()
