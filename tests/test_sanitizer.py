@@ -377,3 +377,25 @@ def test_environment_variable_enables_it_in_a_script():
     run = subprocess.run([sys.executable, "-c", correct], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and run.stdout == "200.0\n" and run.stderr == "", run.stderr
+
+
+def test_copies_between_devices_are_ordered_after_the_source_stream(sanitize):
+    if torch.openreg.device_count() < 2:
+        pytest.skip("needs two openreg devices")
+    x = torch.arange(N, dtype=torch.float32, device="openreg:0")
+    y = x.to("openreg:1")  # waits for openreg:0's current stream, runs on openreg:1's
+    y.mul_(2)
+    x.add_(1)
+    assert torch.equal(y.cpu(), torch.arange(N, dtype=torch.float32) * 2)
+
+
+def test_work_on_another_device_read_without_waiting_is_flagged(sanitize):
+    if torch.openreg.device_count() < 2:
+        pytest.skip("needs two openreg devices")
+    x = torch.ones(N, device="openreg:1")
+    with torch.openreg.device(1):
+        side = torch.Stream(device="openreg:1")
+        with pytest.raises(StreamSanitizerError) as excinfo:
+            with torch.openreg.stream(side):
+                x.neg()
+    flagged(excinfo, "neg", handle(side), "ones", handle(torch.openreg.current_stream(1)))

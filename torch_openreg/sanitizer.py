@@ -432,13 +432,16 @@ class _SanitizerMode(TorchDispatchMode):
             target = (written or fresh or [t for t, _, _ in accesses if t.device.type == "openreg"])
             target_devices = [t.device.index for t in target if t.device.type == "openreg"]
             stream = HOST
+            others: list[int] = []
             if devices:
                 device = target_devices[0] if target_devices else devices[0]
-                if copy and any(d != device for d in devices):
-                    # a copy between devices waits for the source device's current stream
-                    for d in set(devices) - {device}:
-                        time.host_waits_stream(_handle(torch.accelerator.current_stream(d)))
                 stream = _handle(torch.accelerator.current_stream(device))
+                # a copy between devices is ordered after the source device's current stream,
+                # and that stream after the copy (as CUDA synchronizes both streams)
+                others = [_handle(torch.accelerator.current_stream(d))
+                          for d in set(devices) - {device}] if copy else []
+                for other in others:
+                    time.host_waits_stream(other)
             seq = time.issue(stream)
             host_seq = None
             host_waits = False
@@ -464,6 +467,8 @@ class _SanitizerMode(TorchDispatchMode):
                         host_seq = seq if stream == HOST else time.issue(HOST)
                     state.access(state.host, ptr, nbytes, -1, write, HOST, host_seq,
                                  func.name(), [arg], stack, errors)
+            for other in others:
+                _join(time.view(other), time.view(stream))
             if stream != HOST and (host_waits or returned_to_host):
                 time.host_waits_stream(stream)  # a blocking copy, item(): the host waited
         if errors:
