@@ -65,3 +65,8 @@ from torch_openreg import distributed  # noqa: E402,F401
 
 # Device tensors across processes: torch.multiprocessing reductions of openreg storages (docs/ipc.md).
 from torch_openreg import multiprocessing  # noqa: E402,F401
+
+# OPENREG_SANITIZE=1: the stream sanitizer checks the whole program (docs/sanitizer.md).
+from torch_openreg import sanitizer as _sanitizer  # noqa: E402
+
+_sanitizer._enable_from_environment()

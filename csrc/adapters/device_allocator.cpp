@@ -7,6 +7,7 @@
 // queued on that stream at free time has run. Exceeding the device capacity, after releasing the
 // cache, raises torch.OutOfMemoryError.
 #include "adapters/device_allocator.h"
+#include "adapters/gpu_trace.h"
 
 #include "adapters/ipc.h"
 
@@ -180,6 +181,16 @@ class DeviceCache {
       release_block(block);
     }
     // [docs:end FREE_RECORD_STREAM]
+    return true;
+  }
+
+  // The stream (pool key) and size of a live block, for the sanitizer.
+  bool block_info(const void* ptr, int64_t* stream, size_t* size) {
+    std::lock_guard lock(mutex_);
+    auto it = live_.find(const_cast<void*>(ptr));
+    if (it == live_.end()) return false;
+    *stream = it->second->stream;
+    *size = it->second->requested;
     return true;
   }
 
@@ -448,6 +459,7 @@ DeviceCache& cache(int device) {
 }
 
 void delete_device_memory(void* ptr) {
+  gpu_trace::memory_deallocation(ptr);  // outside the cache's mutex: the hook may take the GIL
   for (auto& c : caches())
     if (c->free(ptr)) return;
   TORCH_INTERNAL_ASSERT(false, "openreg: freeing memory the device allocator does not own");
@@ -567,11 +579,21 @@ c10::DataPtr allocate_on_device(int device, size_t nbytes) {
   const int64_t key = capture != nullptr ? capture->pool_key : current_stream_id(device);
   Block* block = cache(device).malloc(nbytes, key);
   // [docs:end POOL_ROUTING]
+  gpu_trace::memory_allocation(block->ptr);
   return c10::DataPtr(block->ptr, block->ptr, &delete_device_memory, dev);
 }
 
 bool is_device_memory(const c10::DataPtr& ptr) {
   return ptr.get_deleter() == &delete_device_memory;
+}
+
+bool device_block_info(const void* ptr, int* device, int64_t* stream, size_t* size) {
+  for (int d = 0; d < int(caches().size()); ++d)
+    if (caches()[d]->block_info(ptr, stream, size)) {
+      *device = d;
+      return true;
+    }
+  return false;
 }
 
 void set_memory_fraction(double fraction, int device) { cache(device).set_fraction(fraction); }

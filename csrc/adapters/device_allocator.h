@@ -35,6 +35,8 @@ bool in_private_pool(int device, const void* ptr);
 
 // Limit of the caching allocator for a device, as a fraction of its capacity.
 void set_memory_fraction(double fraction, int device);
+// For the sanitizer: the device, stream (pool key) and requested size of a live device block.
+bool device_block_info(const void* ptr, int* device, int64_t* stream, size_t* size);
 
 // While alive on a thread, CPU allocations made by that thread come from the device
 // allocator of `device`. The generic fallback runs CPU kernels under it, so that the

@@ -7,6 +7,7 @@
 #include "runtime/stream.h"
 #include "adapters/autograd.h"
 #include "adapters/device_allocator.h"
+#include "adapters/gpu_trace.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -111,18 +112,23 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
       *event = new EventPtr(event_create(stream.device_index(),
                                          flag == c10::EventFlag::BACKEND_DEFAULT));
     event_record(as_event(*event), from_c10(stream));
+    gpu_trace::event_record(*event, stream.device_index(), stream.id());
   }
   void block(void* event, const c10::Stream& stream) const override {
     if (event == nullptr) return;
     event_block(as_event(event), from_c10(stream));
+    gpu_trace::event_wait(event, stream.device_index(), stream.id());
   }
   bool queryEvent(void* event) const override {
     return event == nullptr || event_query(as_event(event));
   }
   void synchronizeEvent(void* event) const override {
-    if (event != nullptr) event_synchronize(as_event(event));
+    if (event == nullptr) return;
+    event_synchronize(as_event(event));
+    gpu_trace::event_synchronization(event);
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    if (event != nullptr) gpu_trace::event_deletion(event);
     delete static_cast<EventPtr*>(event);
   }
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
@@ -141,9 +147,12 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   // [docs:end GUARD_IS_CAPTURING]
   void synchronizeStream(const c10::Stream& s) const override {
     stream_synchronize(from_c10(s));
+    gpu_trace::stream_synchronization(s.device_index(), s.id());
   }
   void synchronizeDevice(const c10::DeviceIndex device_index) const override {
-    device_synchronize(device_index < 0 ? current_device() : device_index);
+    const int device = device_index < 0 ? current_device() : device_index;
+    device_synchronize(device);
+    gpu_trace::device_synchronization(device);
   }
   // [docs:end GUARD_SYNC]
   void recordDataPtrOnStream(const c10::DataPtr& ptr, const c10::Stream& s) const override {

@@ -4,6 +4,7 @@
 #include "adapters/distributed.h"
 #include "adapters/device_allocator.h"
 #include "adapters/generator.h"
+#include "adapters/gpu_trace.h"
 #include "adapters/host_allocator.h"
 #include "adapters/ipc.h"
 #include "ops/cpu_kernel.h"
@@ -86,10 +87,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("_synchronize", [](int device) {
     py::gil_scoped_release no_gil;
     openreg::device_synchronize(device);
+    py::gil_scoped_acquire gil;
+    openreg::gpu_trace::device_synchronization(device);
   });
   m.def("_synchronize_all", [] {
     py::gil_scoped_release no_gil;
     openreg::synchronize_all();
+    py::gil_scoped_acquire gil;
+    for (int d = 0; d < openreg::device_count(); ++d) openreg::gpu_trace::device_synchronization(d);
+  });
+  // ---- the sanitizer's trace hooks (adapters/gpu_trace.h, torch_openreg/sanitizer.py)
+  m.def("_set_gpu_trace", [](bool on) {
+    openreg::gpu_trace::g_enabled = on;
+  });
+  m.def("_device_block_info", [](uintptr_t ptr) -> py::object {
+    int device;
+    int64_t stream;
+    size_t size;
+    if (!openreg::device_block_info(reinterpret_cast<void*>(ptr), &device, &stream, &size))
+      return py::none();
+    return py::make_tuple(device, stream, size);
   });
   m.def("_stream_priority", &openreg::stream_priority);
   m.def("_stream_priority_range",

@@ -31,6 +31,7 @@ using Clock = std::chrono::steady_clock;
 constexpr int kMaxHeld = 8;
 thread_local Stream* tls_held[kMaxHeld];
 thread_local int tls_num_held = 0;
+thread_local bool tls_is_worker = false;
 
 bool held_here(const Stream* s) {
   for (int i = 0; i < tls_num_held; ++i)
@@ -156,6 +157,7 @@ class Stream {
   }
 
   void run() {
+    tls_is_worker = true;
     for (;;) {
       std::function<void()> task, after;
       {
@@ -430,6 +432,8 @@ void device_synchronize(int device) {
   }
   for (auto& s : streams) s->rethrow_async_error();
 }
+
+bool on_stream_worker() { return tls_is_worker; }
 
 void synchronize_all() {
   for (int d = 0; d < device_count(); ++d) device_synchronize(d);

@@ -63,6 +63,8 @@ void stream_synchronize(Stream* s);
 void stream_wait(Stream* s);
 void device_synchronize(int device);
 void synchronize_all();
+// True on a stream's worker thread (which must never wait for the GIL).
+bool on_stream_worker();
 // At interpreter exit: runs the queued work of every stream (so that no worker touches memory or
 // objects being destroyed), without raising. Does nothing in a forked child.
 void drain_at_exit() noexcept;
