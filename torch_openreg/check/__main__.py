@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         text = report.junit(results, device)
     else:
         text = report.table(results, device, f" (torch {meta['torch']})")
+    if device == "privateuseone" and all(not r.passed for r in results):
+        print("note: no PrivateUse1 backend is registered in the worker (autoload found none, or "
+              "TORCH_DEVICE_BACKEND_AUTOLOAD=0): name its module with --import", file=sys.stderr)
     if args.output:
         pathlib.Path(args.output).write_text(text + "\n")
         print(report.summary(results))
