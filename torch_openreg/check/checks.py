@@ -76,9 +76,10 @@ class Check:
     guide: str  # page of docs/ that explains the mechanism
     fix: str
     func: Callable[[Context], str | None] = field(repr=False)
-    # Run on the calling thread, without the time limit: torch.compile's configuration is per
-    # thread in torch 2.13, so what a backend configures while Inductor is first imported stays
-    # in the thread that imported it.
+    # Run on the calling thread, without the time limit, the checks whose mechanism keeps state
+    # per thread from its first use: torch.compile's configuration is per thread in torch 2.13 (what
+    # a backend configures while Inductor is first imported stays in the importing thread), and
+    # Kineto wants its first profiling session on the thread that registered its client.
     main_thread: bool = False
 
 
@@ -779,7 +780,7 @@ def check_compile(ctx: Context) -> str:
 @check("profiler", "profiler: device activity (ProfilerActivity.PrivateUse1)", required=False,
        guide="profiler.md",
        fix="register profiler stubs (torch::profiler::impl::registerPrivateUse1Methods) or a Kineto "
-           "activity profiler that reports device kernels")
+           "activity profiler that reports device kernels", main_thread=True)
 def check_profiler(ctx: Context) -> str:
     from torch.profiler import ProfilerActivity, profile
     x = torch.randn(64, 64, device=ctx.dev(0))
