@@ -243,7 +243,15 @@ def check_streams_events(ctx: Context) -> str:
            "is not a torch.Stream")
     x = torch.randn(256, 256, device=dev)
     ref = x.cpu()
+    host = torch.full((1 << 22,), 3.0)  # 16 MiB: an asynchronous copy that takes a while
+    try:
+        host = host.pin_memory()
+    except Exception:
+        pass  # pinned memory is checked on its own; a pageable copy still has to be ordered
+    landing = torch.zeros(1 << 22, device=dev)
+    torch.accelerator.synchronize()
     with s1:
+        landing.copy_(host, non_blocking=True)
         y = x
         for _ in range(8):
             y = torch.tanh(y @ y) * 0.5
@@ -252,12 +260,15 @@ def check_streams_events(ctx: Context) -> str:
     s2.wait_event(done)
     with s2:
         z = y + 1
+        doubled = landing * 2
     s2.synchronize()
     expect(s2.query() and done.query(), "query() is False after synchronize()")
     r = ref
     for _ in range(8):
         r = torch.tanh(r @ r) * 0.5
     same(z, r + 1, "work on stream 2 after wait_event(stream 1's event) saw stale data")
+    expect(bool((doubled == 6).all()), "stream 2 read a non_blocking copy of stream 1 before it "
+           "landed, despite wait_event")
     with m.stream(s1):
         expect(m.current_stream() == s1, f"torch.{ctx.device}.stream(s) does not make s current")
     s1.wait_stream(s2)
@@ -265,7 +276,8 @@ def check_streams_events(ctx: Context) -> str:
     a = torch.Event(device=dev, enable_timing=True)
     b = torch.Event(device=dev, enable_timing=True)
     a.record(s1)
-    w = x @ x
+    with s1:
+        w = x @ x
     b.record(s1)
     b.synchronize()
     ms = a.elapsed_time(b)
