@@ -76,20 +76,29 @@ def test_device_module_without_streams_fails_only_the_stream_check():
         ["device_module", "device_guard", "allocator"]
 
 
-def test_a_crash_is_reported_the_rest_still_run_and_optional_failures_keep_exit_zero():
-    """The autocast check (optional) segfaults in the backend's get_amp_supported_dtype: it is
-    reported as died, a new worker runs the checks after it, and the exit code stays 0 because
-    every required check passed."""
-    proc = run_check("--import", "openreg_crashing", "--format", "junit", "--only", "accelerator",
-                     "--only", "autocast", "--only", "serialization")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_a_crash_and_a_hang_are_reported_and_the_rest_still_run():
+    """The backend's get_device_name never returns (device_module, required: a failure after the
+    time limit) and its get_amp_supported_dtype segfaults (autocast, optional: reported as died, a
+    new worker runs the checks after it). The others pass; exit 1 for the required failure."""
+    proc = run_check("--import", "openreg_crashing", "--format", "junit", "--timeout", "10",
+                     "--only", "device_module", "--only", "accelerator", "--only", "autocast",
+                     "--only", "serialization")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     suite = ET.fromstring(proc.stdout.split("?>", 1)[1]).find("testsuite")
     cases = {c.get("name"): c for c in suite.findall("testcase")}
-    assert list(cases) == ["accelerator", "autocast", "serialization"]
+    assert list(cases) == ["device_module", "accelerator", "autocast", "serialization"]
+    hang = cases["device_module"].find("failure")
+    assert hang is not None and "did not finish within 10 s" in hang.get("message")
     skipped = cases["autocast"].find("skipped")
     assert skipped is not None and "died during this check" in skipped.get("message")
     assert all(len(cases[n]) == 0 for n in ("accelerator", "serialization"))  # passed
-    assert (suite.get("failures"), suite.get("skipped")) == ("0", "1")
+    assert (suite.get("failures"), suite.get("skipped")) == ("1", "1")
+
+
+def test_optional_failures_keep_the_exit_code_zero():
+    proc = run_check("--import", "openreg_crashing", "--only", "autocast", "--only", "copies")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FAIL  autocast" in proc.stdout and "PASS  copies" in proc.stdout
 
 
 def test_the_check_imports_nothing_of_openreg():
