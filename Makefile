@@ -1,17 +1,19 @@
 # Two entry points that work on a fresh machine (see README.md):
 #   make demo   - set up .venv, build torch_openreg, train a small model on openreg
-#   make test   - set up .venv, build torch_openreg, run the test suite
+#   make test   - set up .venv, build torch_openreg, run the test suite, build the guide
+#   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DOCS_TOOLS := "sphinx==9.0.4" "myst-parser==5.2.0"
 NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 
-.PHONY: demo test bench fuzz install clean
+.PHONY: demo test docs bench fuzz install clean
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
 	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml \
-		"transformers>=5.24,<6" "accelerate>=1.15,<2"
+		"transformers>=5.24,<6" "accelerate>=1.15,<2" $(DOCS_TOOLS)
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(NATIVE)
 	$(PY) -m pip install --no-build-isolation -e .
@@ -24,6 +26,19 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+	$(MAKE) docs
+
+# The guide as one Sphinx + MyST site. -W: every warning fails the build, among them a link to a
+# page or heading anchor that does not exist (internal link check) and a page in no toctree.
+# A .venv made before the docs tools were added gets them here.
+$(VENV)/.docs-tools: $(VENV)/bin/python
+	$(PY) -m pip install $(DOCS_TOOLS)
+	touch $@
+
+docs: $(VENV)/.docs-tools
+	$(PY) tools/docs_quotes.py
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "guide: docs/_build/html/index.html"
 
 # The differential fuzzer over a long range of seeds (the test suite runs seeds 0:400).
 FUZZ_SEEDS ?= 0:5000
@@ -35,4 +50,4 @@ bench: install
 	$(PY) benchmarks/compile.py
 
 clean:
-	rm -rf build $(VENV) torch_openreg/*.so *.egg-info
+	rm -rf build $(VENV) torch_openreg/*.so *.egg-info docs/_build

@@ -57,6 +57,7 @@ at::Tensor cpu_alias(const at::Tensor& t) {
                           t);
 }
 
+// [docs:start HOST_KERNEL_ALIAS]
 at::Tensor HostKernel::alias(const at::Tensor& t) {
   auto* timpl = t.unsafeGetTensorImpl();
   for (auto& a : tensors_)
@@ -73,6 +74,7 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
   tensors_.push_back({cpu, t});
   return cpu;
 }
+// [docs:end HOST_KERNEL_ALIAS]
 
 void HostKernel::sync_written(const at::Tensor& t) {
   auto* timpl = t.unsafeGetTensorImpl();
@@ -140,6 +142,7 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   return result;
 }
 
+// [docs:start HOST_KERNEL_RESULT]
 at::Tensor HostKernel::result(const at::Tensor& cpu) {
   if (!cpu.defined()) return cpu;
   auto* impl = cpu.unsafeGetTensorImpl();
@@ -151,6 +154,7 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
     }
   return make_device_tensor(device_storage_for(cpu), cpu);
 }
+// [docs:end HOST_KERNEL_RESULT]
 
 // [docs:start KERNEL_THREADS]
 // Backward on openreg runs on the autograd engine's worker thread for the device (named
