@@ -8,7 +8,6 @@ sender that exits) each use one more child. Every wait is bounded.
 from __future__ import annotations
 
 import os
-import queue as queue_module
 import traceback
 
 import pytest
