@@ -3,6 +3,9 @@
     python benchmarks/compile.py [--rounds R] [--steps N] [--device openreg:0]
                                  [--backward-on-caller] [workload ...]
 
+workloads: mlp_train_step, cnn_train_step, transformer_train_step (the default three) and
+linear_relu_train_step (why compiled Transformer steps are not faster than eager).
+
 The model's forward and loss are compiled with default settings (Inductor; its backward is
 compiled by AOTAutograd); the SGD step is the same eager step in every variant. Rounds
 alternate the variants so that all see the same machine load; the reported time is the median
@@ -35,6 +38,13 @@ def build(name: str, device: str, compiled: bool):
                               nn.Linear(256, 10))
         x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
         loss_fn = nn.functional.cross_entropy
+    elif name == "linear_relu_train_step":
+        # the Transformer's feed-forward block in isolation: in training, Inductor's forward
+        # kernel for relu also writes the bool mask the backward needs (relu <= 0), and that
+        # C++ kernel is the slow part of compiled Transformer steps (docs/compile.md, Speed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        x, y = torch.randn(512, 64), torch.randn(512, 128)
+        loss_fn = nn.functional.mse_loss
     elif name == "cnn_train_step":
         model = SmallCNN()
         x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
