@@ -399,3 +399,21 @@ def test_work_on_another_device_read_without_waiting_is_flagged(sanitize):
             with torch.openreg.stream(side):
                 x.neg()
     flagged(excinfo, "neg", handle(side), "ones", handle(torch.openreg.current_stream(1)))
+
+
+def test_a_compiled_function_is_checked_operator_by_operator(sanitize):
+    @torch.compile
+    def f(a):
+        return (a * 2).sin() + 1
+
+    x = torch.ones(64, device="openreg")
+    side = side_stream()
+    with pytest.raises(StreamSanitizerError) as excinfo:
+        with torch.openreg.stream(side):
+            f(x)
+    flagged(excinfo, "mul", handle(side), "ones", handle(default_stream()))
+    side.wait_stream(default_stream())
+    with torch.openreg.stream(side):
+        y = f(x)
+    default_stream().wait_stream(side)
+    torch.testing.assert_close(y.cpu(), (torch.ones(64) * 2).sin() + 1)
