@@ -293,6 +293,33 @@ def test_loop_transforms_are_off_for_openreg_graphs_only():
     assert tuple(getattr(config, n) for n in names) == defaults
 
 
+def test_compile_in_another_thread():
+    """Inductor's config is per thread in torch 2.13: openreg's settings must apply to graphs
+    compiled in any thread (they were once set by assignment in the importing thread only, and a
+    graph compiled in another thread failed in the fusion pass)."""
+    import threading
+
+    def f(x, y):
+        return (x * y + 1).relu().sum(0), torch.tanh(x) @ y.t()
+
+    x, y = torch.randn(8, 8, device="openreg:1"), torch.randn(8, 8, device="openreg:1")
+    result = {}
+
+    def run():
+        try:
+            torch._dynamo.reset()
+            result["out"] = [t.cpu() for t in torch.compile(f)(x, y)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert "error" not in result, result.get("error")
+    for got, want in zip(result["out"], f(x.cpu(), y.cpu())):
+        torch.testing.assert_close(got, want)
+
+
 def test_streams_inside_compiled_region_are_correct():
     # Side streams inside a compiled function graph-break (docs/compile.md, pitfalls), and the
     # work still runs in the right order.
