@@ -168,6 +168,7 @@ HostKernel::~HostKernel() {
 }
 // [docs:end SESSION_INDEX]
 
+// [docs:start HOST_KERNEL_ALIAS]
 at::Tensor HostKernel::alias(const at::Tensor& t) {
   int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
   if (found >= 0) return s_->tensors[found].cpu;
@@ -184,6 +185,7 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
   s_->add_tensor(cpu, t);
   return cpu;
 }
+// [docs:end HOST_KERNEL_ALIAS]
 
 void HostKernel::sync_written(const at::Tensor& t) {
   int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
@@ -252,6 +254,7 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   return result;
 }
 
+// [docs:start HOST_KERNEL_RESULT]
 at::Tensor HostKernel::result(const at::Tensor& cpu) {
   if (!cpu.defined()) return cpu;
   int found = s_->find_tensor(cpu.unsafeGetTensorImpl(), Session::CpuTensor);
@@ -262,6 +265,7 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
   }
   return make_device_tensor(device_storage_for(cpu), cpu);
 }
+// [docs:end HOST_KERNEL_RESULT]
 
 // [docs:start KERNEL_THREADS]
 // Backward on openreg runs on the autograd engine's worker thread for the device (named
