@@ -48,6 +48,7 @@ fuzz: install
 bench: install
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/compile.py
+	$(PY) benchmarks/fallback.py
 
 clean:
 	rm -rf build $(VENV) torch_openreg/*.so *.egg-info docs/_build

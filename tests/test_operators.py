@@ -297,6 +297,32 @@ def test_conj_bit_of_results_and_out_arguments(device):
     assert_close(torch.view_as_real(v.resolve_conj()).cpu(), torch.view_as_real(z.conj().resolve_conj()))
 
 
+# ---- tensor lists (foreach, fused optimizers) ----
+
+def _shared_lists(dev):
+    """20 rows of one tensor, one tensor twice, and a last pair that partially overlaps: more
+    tensors than a fallback session finds by search, so it indexes them (csrc/ops/cpu_kernel.cpp)."""
+    base = torch.arange(60.0).reshape(20, 3).to(dev)
+    other = torch.ones(20, 3).to(dev)
+    x = torch.arange(5.0).to(dev)
+    return list(base) + [other, other], list(other) + [base[0], base[1]], x
+
+
+def test_tensor_lists_sharing_storages_match_the_cpu(device):
+    results = {}
+    for dev in ("cpu", device):
+        a, b, x = _shared_lists(dev)
+        torch._foreach_add_(a, b)  # rows of one storage, one tensor twice
+        out = torch._foreach_mul(a, 2.0)  # fresh results, one storage each
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch._foreach_copy_(a[:12] + [x[1:]], b[:12] + [x[:-1]])  # partial overlap
+        results[dev] = [t.cpu() for t in a + list(out)]
+        assert all(t.device == torch.device(dev) for t in out)
+    assert len(results["cpu"]) == len(results[device])
+    for c, d in zip(results["cpu"], results[device]):
+        assert_close(d, c)
+
+
 # ---- views, set_, resize_ ----
 
 def test_views_share_the_device_storage(device):

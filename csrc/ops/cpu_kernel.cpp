@@ -6,10 +6,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
+#include <memory>
+#include <vector>
 
 namespace openreg {
 namespace {
@@ -57,32 +60,141 @@ at::Tensor cpu_alias(const at::Tensor& t) {
                           t);
 }
 
+// [docs:start SESSION_INDEX]
+// A session finds what it aliased by address: the alias of a device tensor (each is aliased
+// once), the CPU storage of a device storage (tensors sharing a storage get aliases sharing one),
+// the device tensor of a returned CPU tensor. A search through a list is the fastest for the few
+// tensors of most operators; tensor-list operators (foreach, fused optimizers) pass hundreds,
+// and searching for each one made a call cost O(n^2): 38% of the time of `_fused_adam_` on 4 x
+// 100 tensors went to these searches (perf, docs/fallback.md). Beyond kLinear entries the
+// session indexes them in a hash table. Sessions are pooled per thread and nesting level, so the
+// lists and the table keep their memory from call to call instead of growing it again.
+struct HostKernel::Session {
+  struct AliasedTensor {
+    at::Tensor cpu;
+    at::Tensor device;
+  };
+  // Holding both storages keeps their addresses unique for the lifetime of the session.
+  struct AliasedStorage {
+    c10::Storage cpu;
+    c10::Storage device;
+  };
+  enum Role : uintptr_t { DeviceTensor = 0, CpuTensor = 1, DeviceStorage = 2, CpuStorage = 3 };
+  static constexpr size_t kLinear = 8;
+
+  std::vector<AliasedTensor> tensors;
+  std::vector<AliasedStorage> storages;
+  // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
+  ska::flat_hash_map<uintptr_t, uint32_t> index;
+  bool indexed = false;
+
+  static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
+
+  int find_tensor(const c10::TensorImpl* impl, Role r) const {
+    if (indexed) {
+      auto it = index.find(key(impl, r));
+      return it == index.end() ? -1 : int(it->second);
+    }
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu;
+      if (t.unsafeGetTensorImpl() == impl) return int(i);
+    }
+    return -1;
+  }
+
+  int find_storage(const c10::StorageImpl* impl, Role r) const {
+    if (indexed) {
+      auto it = index.find(key(impl, r));
+      return it == index.end() ? -1 : int(it->second);
+    }
+    for (size_t i = 0; i < storages.size(); ++i) {
+      const c10::Storage& st = r == DeviceStorage ? storages[i].device : storages[i].cpu;
+      if (st.unsafeGetStorageImpl() == impl) return int(i);
+    }
+    return -1;
+  }
+
+  void index_tensor(size_t i) {
+    index.emplace(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
+    index.emplace(key(tensors[i].cpu.unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+  }
+  void index_storage(size_t i) {
+    index.emplace(key(storages[i].device.unsafeGetStorageImpl(), DeviceStorage), uint32_t(i));
+    index.emplace(key(storages[i].cpu.unsafeGetStorageImpl(), CpuStorage), uint32_t(i));
+  }
+  void maybe_build_index() {
+    if (indexed || tensors.size() + storages.size() <= kLinear) return;
+    indexed = true;
+    for (size_t i = 0; i < tensors.size(); ++i) index_tensor(i);
+    for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
+  }
+
+  void add_tensor(at::Tensor cpu, at::Tensor device) {
+    tensors.push_back({std::move(cpu), std::move(device)});
+    if (indexed) index_tensor(tensors.size() - 1);
+    else maybe_build_index();
+  }
+  void add_storage(c10::Storage cpu, c10::Storage device) {
+    storages.push_back({std::move(cpu), std::move(device)});
+    if (indexed) index_storage(storages.size() - 1);
+    else maybe_build_index();
+  }
+
+  void clear() {
+    tensors.clear();
+    storages.clear();
+    if (indexed) {
+      index.clear();
+      indexed = false;
+    }
+  }
+};
+
+namespace {
+thread_local std::vector<std::unique_ptr<HostKernel::Session>> t_sessions;
+thread_local size_t t_depth = 0;  // sessions in use on this thread (nested HostKernels)
+}  // namespace
+
+HostKernel::Session* HostKernel::acquire_session() {
+  if (t_depth == t_sessions.size()) t_sessions.push_back(std::make_unique<Session>());
+  return t_sessions[t_depth++].get();
+}
+
+HostKernel::~HostKernel() {
+  // Releases the aliases while the stream is still held and device memory still accessible
+  // (strict mode), as the members' destruction did before sessions were pooled.
+  s_->clear();
+  --t_depth;
+}
+// [docs:end SESSION_INDEX]
+
 // [docs:start HOST_KERNEL_ALIAS]
 at::Tensor HostKernel::alias(const at::Tensor& t) {
-  auto* timpl = t.unsafeGetTensorImpl();
-  for (auto& a : tensors_)
-    if (a.device.unsafeGetTensorImpl() == timpl) return a.cpu;
+  int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
+  if (found >= 0) return s_->tensors[found].cpu;
   const c10::Storage& storage = t.storage();
   c10::Storage cpu_storage;
-  for (auto& s : storages_)
-    if (s.device.unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) cpu_storage = s.cpu;
-  if (!cpu_storage) {
+  int st = s_->find_storage(storage.unsafeGetStorageImpl(), Session::DeviceStorage);
+  if (st >= 0) {
+    cpu_storage = s_->storages[st].cpu;
+  } else {
     cpu_storage = c10::Storage(make_cpu_alias_storage(storage));
-    storages_.push_back({cpu_storage, storage});
+    s_->add_storage(cpu_storage, storage);
   }
   at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
-  tensors_.push_back({cpu, t});
+  s_->add_tensor(cpu, t);
   return cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]
 
 void HostKernel::sync_written(const at::Tensor& t) {
+  int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
+  if (found < 0) return;
+  sync_written(t, s_->tensors[found].cpu);
+}
+
+void HostKernel::sync_written(const at::Tensor& t, const at::Tensor& cpu) {
   auto* timpl = t.unsafeGetTensorImpl();
-  const at::Tensor* found = nullptr;
-  for (auto& a : tensors_)
-    if (a.device.unsafeGetTensorImpl() == timpl) found = &a.cpu;
-  if (found == nullptr) return;
-  const at::Tensor& cpu = *found;
   auto* cpu_storage = cpu.storage().unsafeGetStorageImpl();
   auto* dev_storage = t.storage().unsafeGetStorageImpl();
   if (cpu_storage->data() != dev_storage->data() || cpu_storage->nbytes() != dev_storage->nbytes()) {
@@ -117,8 +229,8 @@ void HostKernel::sync_written(const at::Tensor& t) {
 c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   const c10::Storage& storage = cpu.storage();
   auto* impl = storage.unsafeGetStorageImpl();
-  for (auto& s : storages_)
-    if (s.cpu.unsafeGetStorageImpl() == impl) return s.device;  // an argument's, or seen before
+  int found = s_->find_storage(impl, Session::CpuStorage);
+  if (found >= 0) return s_->storages[found].device;  // an argument's, or seen before
   c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
   size_t nbytes = impl->nbytes();
   c10::DataPtr ptr;
@@ -138,20 +250,19 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   c10::Storage result(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(ptr), allocator_for_device(device_),
       /*resizable=*/true));
-  storages_.push_back({storage, result});
+  s_->add_storage(storage, result);
   return result;
 }
 
 // [docs:start HOST_KERNEL_RESULT]
 at::Tensor HostKernel::result(const at::Tensor& cpu) {
   if (!cpu.defined()) return cpu;
-  auto* impl = cpu.unsafeGetTensorImpl();
-  for (auto& a : tensors_)
-    if (a.cpu.unsafeGetTensorImpl() == impl) {
-      at::Tensor device = a.device;
-      sync_written(device);
-      return device;  // in-place and out= kernels return their argument itself
-    }
+  int found = s_->find_tensor(cpu.unsafeGetTensorImpl(), Session::CpuTensor);
+  if (found >= 0) {
+    at::Tensor device = s_->tensors[found].device;
+    sync_written(device, s_->tensors[found].cpu);
+    return device;  // in-place and out= kernels return their argument itself
+  }
   return make_device_tensor(device_storage_for(cpu), cpu);
 }
 // [docs:end HOST_KERNEL_RESULT]

@@ -26,13 +26,16 @@ void configure_kernel_thread();
 class HostKernel {
  public:
   explicit HostKernel(int device)
-      : device_(device), launch_(current_stream(device)), allocate_(device) {
+      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {
     thread_local bool configured = false;
     if (!configured) {
       configured = true;
       configure_kernel_thread();
     }
   }
+  ~HostKernel();
+  HostKernel(const HostKernel&) = delete;
+  HostKernel& operator=(const HostKernel&) = delete;
 
   int device() const { return device_; }
 
@@ -47,24 +50,21 @@ class HostKernel {
   // The device tensor for a tensor the kernel returned.
   at::Tensor result(const at::Tensor& cpu_tensor);
 
+  // What a session remembers (the tensors it aliased or returned and their storages) and how it
+  // finds them again: pooled per thread and nesting level, so that their memory is reused from
+  // call to call (cpu_kernel.cpp).
+  struct Session;
+
  private:
-  struct AliasedTensor {
-    at::Tensor cpu;
-    at::Tensor device;
-  };
-  // Holding both storages keeps their addresses unique for the lifetime of the session.
-  struct AliasedStorage {
-    c10::Storage cpu;
-    c10::Storage device;
-  };
+  static Session* acquire_session();
+  void sync_written(const at::Tensor& device_tensor, const at::Tensor& cpu);
   c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
 
   const int device_;
   LaunchScope launch_;
   KernelScope kernel_;
   AllocateOnDevice allocate_;
-  c10::SmallVector<AliasedTensor, 4> tensors_;
-  c10::SmallVector<AliasedStorage, 4> storages_;
+  Session* const s_;
 };
 
 // A device tensor over `storage` with the metadata of `like` (sizes, strides, offset, dtype).
