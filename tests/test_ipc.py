@@ -242,6 +242,36 @@ def test_unshareable_segment_raises_a_clear_error(tmp_path):
     assert "device memory cannot be shared: its segment has no shared-memory file" in result.stderr
 
 
+def test_segments_leave_the_program_its_file_descriptors():
+    # Device segments hold at most a quarter of RLIMIT_NOFILE (at least 64) in shared-memory
+    # files; the segments after that are anonymous memory, work, and say why they cannot be sent.
+    import subprocess
+    import sys
+    code = ("import os, resource\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+            "import torch\n"
+            "from multiprocessing.reduction import ForkingPickler\n"
+            "before = len(os.listdir('/proc/self/fd'))\n"
+            "ts = [torch.empty(1 << 18, device='openreg:0') for i in range(300)]\n"
+            "for i, t in enumerate(ts): t[0] = i  # 1 MiB each, 2 per small-pool segment\n"
+            "held = len(os.listdir('/proc/self/fd')) - before\n"
+            "print('held', held)\n"
+            "files = [open(os.devnull) for _ in range(256 - before - held - 8)]\n"
+            "print('opened', len(files))\n"
+            "print('sum', sum(t[0].item() for t in ts))\n"
+            "ForkingPickler.dumps(ts[0])\n"
+            "print('first shareable')\n"
+            "ForkingPickler.dumps(ts[-1])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    held = int(result.stdout.split("held ")[1].split()[0]) if "held " in result.stdout else None
+    assert held is not None and 60 <= held <= 70, (result.stdout, result.stderr)
+    assert "opened" in result.stdout and f"sum {float(sum(range(300)))}" in result.stdout
+    assert "first shareable" in result.stdout
+    assert result.returncode != 0
+    assert "a quarter of RLIMIT_NOFILE" in result.stderr
+
+
 def test_cpu_tensors_still_go_through_torch(peer):
     t = torch.arange(5.0)
     got = peer("describe", [t])

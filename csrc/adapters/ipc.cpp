@@ -180,8 +180,9 @@ IpcHandle ipc_export(const c10::Storage& storage) {
               "openreg IPC: the storage is not in openreg device memory");
   TORCH_CHECK(seg.fd >= 0,
               "openreg IPC: this storage's device memory cannot be shared: its segment has no "
-              "shared-memory file (memfd_create failed when it was allocated, e.g. too many open "
-              "files)");
+              "shared-memory file (when it was allocated, device segments already held a quarter "
+              "of RLIMIT_NOFILE in descriptors, or memfd_create failed; raise the limit with "
+              "`ulimit -n` to share more segments)");
   // The receiver's storage is a fixed window of the segment: a resize here would move this
   // storage's memory away from it (CUDA refuses to resize a received storage for the same reason).
   storage.unsafeGetStorageImpl()->set_resizable(false);

@@ -10,8 +10,10 @@
 #include <signal.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -85,6 +87,9 @@ void install_segv_handler() {
   });
 }
 
+// Descriptors held by segments' shared-memory files (SEGMENT_FILE below).
+std::atomic<int> g_segment_files{0};
+
 // [docs:start SEGMENT_MMAP]
 // Maps a segment (from its shared-memory file, or anonymous memory when fd < 0) and registers
 // it. In strict mode it starts host-inaccessible unless a kernel is running.
@@ -97,6 +102,7 @@ void* map_segment(int device, size_t size, int fd, bool imported) {
   void* p = fd >= 0 ? mmap(nullptr, size, prot, MAP_SHARED | MAP_NORESERVE, fd, 0)
                     : mmap(nullptr, size, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return nullptr;
+  if (fd >= 0) g_segment_files.fetch_add(1, std::memory_order_relaxed);
   // [docs:end SEGMENT_MMAP]
   auto& r = registry();
   std::unique_lock lock(r.mutex);
@@ -114,8 +120,21 @@ void* map_segment(int device, size_t size, int fd, bool imported) {
 // [docs:start SEGMENT_FILE]
 // The segment's memory is a file in the kernel's shared memory (memfd: no name in /dev/shm, its
 // pages are freed when the last mapping and descriptor of it are gone, in whatever process).
-// Without a descriptor left (RLIMIT_NOFILE), the segment is anonymous memory: usable, not shareable.
+// Each file holds a descriptor for the segment's lifetime. So that device memory never takes the
+// program's own descriptors (a soft RLIMIT_NOFILE of 1024 is common), segments hold at most a
+// quarter of the limit (at least 64); beyond that, or when memfd_create fails, a segment is
+// anonymous memory: usable, not shareable (ipc_export says so).
+int segment_file_budget() {
+  static const int budget = [] {
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 1 << 20;
+    return std::max<int>(64, static_cast<int>(limit.rlim_cur / 4));
+  }();
+  return budget;
+}
+
 int segment_file(int device, size_t size) {
+  if (g_segment_files.load(std::memory_order_relaxed) >= segment_file_budget()) return -1;
   char name[32];
   snprintf(name, sizeof name, "openreg-device%d", device);
   int fd = memfd_create(name, MFD_CLOEXEC);
@@ -173,7 +192,10 @@ void segment_free(void* ptr) {
   TORCH_INTERNAL_ASSERT(it != r.segments.end(), "openreg: freeing an unknown segment");
   if (!it->second.imported) r.used[it->second.device] -= it->second.size;
   munmap(ptr, it->second.size);
-  if (it->second.fd >= 0) close(it->second.fd);
+  if (it->second.fd >= 0) {
+    close(it->second.fd);
+    g_segment_files.fetch_sub(1, std::memory_order_relaxed);
+  }
   r.segments.erase(it);
 }
 
