@@ -419,6 +419,60 @@ def test_more_ranks_than_devices_and_subgroups():
     run_ranks(_check_three_ranks, world=3)
 
 
+def _check_split(rank, world):
+    """Bound to a device (init_process_group(device_id=...)), torch splits the default group:
+    split_group, a 2-D DeviceMesh, new_group on the ranks left out. Each split group has occl
+    for openreg tensors and gloo for CPU tensors, and reduces over its own ranks only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dev = _dev(rank)
+
+    def reduce_in(group, members):
+        assert group._get_backend(dev).name() == "occl"
+        assert group._get_backend(torch.device("cpu")).name() == "gloo"
+        assert sorted(dist.get_process_group_ranks(group)) == sorted(members)
+        x = torch.full((3,), float(rank + 1), device=dev)
+        c = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x, group=group)
+        dist.all_reduce(c, group=group)
+        assert x.cpu().tolist() == c.tolist() == [float(sum(m + 1 for m in members))] * 3
+
+    mesh = init_device_mesh("openreg", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        reduce_in(group, dist.get_process_group_ranks(group))
+    assert dist.get_process_group_ranks(mesh.get_group("tp")) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    # Groups that leave ranks out come last: torch 2.13 names a split group after its ranks and
+    # the number of groups this rank knows, and gloo (for CPU tensors and under occl) meets its
+    # peers in the store under that name, so a split after such a group hangs until the timeout
+    # (docs/distributed.md)
+    halves = [[0, 3], [1, 2]]
+    sub = dist.split_group(split_ranks=halves, timeout=datetime.timedelta(seconds=30))
+    mine = halves[0] if rank in halves[0] else halves[1]
+    reduce_in(sub, mine)
+    assert sub.bound_device_id == dev
+    # the ranks left out take part in the split and get no group
+    three = dist.split_group(split_ranks=[[1, 2, 3]])
+    assert (three is None) == (rank == 0)
+    # split of a split: ranks of the parent group (0, 1, 2 of [1, 2, 3])
+    again = dist.split_group(parent_pg=three, split_ranks=[[0, 1, 2]]) if rank else None
+    if rank:
+        reduce_in(three, [1, 2, 3])
+        reduce_in(again, [1, 2, 3])
+    pair = dist.new_group([0, 1])  # ranks 2, 3: perform_nocolor_split on occl
+    if rank < 2:
+        reduce_in(pair, [0, 1])
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    dt = distribute_tensor(t.to(dev), mesh, [Shard(0), Shard(1)])
+    assert torch.equal(dt.redistribute(mesh, [Replicate(), Replicate()]).to_local().cpu(), t)
+    dist.barrier()
+
+
+def test_split_groups_and_2d_mesh():
+    run_ranks(_check_split, world=4, backend=None, device_id=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # DDP, FSDP2, DTensor tensor parallelism, distributed checkpoint: equal to one process
 

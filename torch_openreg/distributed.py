@@ -74,6 +74,32 @@ def _create_default_group(opts, backend_options=None):
     return group
 
 
+# [docs:start SPLIT_OPTIONS]
+def _split_options(source):
+    """``options`` of an occl backend: what ``split_group`` deep-copies and hands to
+    ``ProcessGroup.split_group``. A copy of the options of the gloo backend underneath (gloo's
+    own options object cannot be deep-copied), as a ``ProcessGroupGloo`` options object: torch
+    may hand them to the group's gloo backend for CPU tensors too, which falls back to its
+    defaults, timeout included, on any other kind."""
+    global _SplitOptions
+    if _SplitOptions is None:
+        from torch.distributed import ProcessGroupGloo
+
+        class SplitOptions(ProcessGroupGloo._Options):
+            def __deepcopy__(self, memo):
+                return _split_options(self)
+
+        _SplitOptions = SplitOptions
+    copy = _SplitOptions()
+    for name in ("_timeout", "_devices", "_threads", "global_ranks_in_group", "group_name"):
+        setattr(copy, name, getattr(source, name))
+    return copy
+
+
+_SplitOptions = None
+# [docs:end SPLIT_OPTIONS]
+
+
 def _register() -> None:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         return
@@ -81,6 +107,7 @@ def _register() -> None:
     if BACKEND_NAME.upper() in Backend._plugins:
         return
     Backend.register_backend(BACKEND_NAME, create_backend, devices=["openreg"])
+    _C._OcclBackend.options = property(lambda backend: _split_options(backend._gloo.options))
     # No backend name: "cpu:gloo,openreg:occl". With device_id=, torch parses the name itself
     # and builds both backends; without it, torch calls the creator registered under the name.
     # (Not through register_backend: that would list the name as one backend, and an explicit

@@ -17,6 +17,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <memory>
@@ -325,6 +327,29 @@ class OcclBackend : public Backend {
     return c10::make_intrusive<CoalescedWork>(std::move(coalesced_));
   }
   // [docs:end OCCL_COALESCING]
+  // [docs:start OCCL_SPLIT]
+  // Splitting (split_group, DeviceMesh's dimensions when the default group is bound to a device):
+  // ProcessGroup::splitGroup calls split on each device type's backend with the same store and
+  // options, gloo's (CPU tensors) first. occl splits its own gloo backend in its own key space of
+  // that store, and wraps the result; a rank outside `ranks` gets no backend, as with gloo.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                    const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override {
+    // gloo maps `ranks` to global ranks through its options, which torch does not fill for a
+    // backend it got from occl's creator: taken as the world group (docs/distributed.md)
+    auto own = gloo_->getBackendOptions();
+    if (own->global_ranks_in_group.empty())
+      for (int r = 0; r < getSize(); ++r) own->global_ranks_in_group.push_back(r);
+    auto gloo = gloo_->split(c10::make_intrusive<c10d::PrefixStore>("openreg/", store), ranks, opts);
+    if (!gloo) return nullptr;
+    auto occl = c10::make_intrusive<OcclBackend>(std::move(gloo));
+    occl->setGroupUid(opts->group_name);
+    return occl;
+  }
+  // [docs:end OCCL_SPLIT]
+  const c10::intrusive_ptr<Backend>& gloo() const { return gloo_; }
+
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
   void setSequenceNumberForGroup() override { gloo_->setSequenceNumberForGroup(); }
   uint64_t getSequenceNumberForGroup() override { return gloo_->getSequenceNumberForGroup(); }
@@ -576,6 +601,22 @@ class OcclBackend : public Backend {
 c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo) {
   TORCH_CHECK(gloo, "occl: needs a gloo backend underneath");
   return c10::make_intrusive<OcclBackend>(std::move(gloo));
+}
+
+void bind_occl_backend(pybind11::module_& m) {
+  namespace py = pybind11;
+  // Its own Python type (a subclass of torch's Backend): what torch_openreg/distributed.py adds
+  // for split_group (`options`) and new_group (`perform_nocolor_split`) goes there.
+  py::class_<OcclBackend, Backend, c10::intrusive_ptr<OcclBackend>>(m, "_OcclBackend")
+      .def_property_readonly("_gloo", &OcclBackend::gloo)
+      .def(
+          "perform_nocolor_split",
+          [](OcclBackend&, at::Device) {
+            // new_group calls it on the ranks left out of a group when the default group can
+            // be split (NCCL's ranks must all take part in ncclCommSplit); new_group builds
+            // occl groups through the creator, split_group has gloo's split: nothing to do
+          },
+          py::arg("device"));
 }
 
 }  // namespace openreg

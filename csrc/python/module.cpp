@@ -208,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // ---- distributed (adapters/distributed.cpp): the occl c10d backend over a gloo backend
+  openreg::bind_occl_backend(m);
   m.def("_occl_backend", &openreg::make_occl_backend);
 
   // ---- IPC (adapters/ipc.cpp): device storages shared with other processes
