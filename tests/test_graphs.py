@@ -365,6 +365,42 @@ def test_whole_network_capture_matches_eager_training(make_opt):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses[1:]))
 
 
+def _assert_captured_training_matches_eager(make_model, data):
+    """Trains make_model() eagerly on `data`, then a second copy with one eager warm-up step and a
+    captured step (forward, backward, SGD step) replayed on the rest; parameters must agree."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    eager = make_model().to(DEV)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    torch.openreg.manual_seed(1)
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(eager(x.to(DEV)), y.to(DEV)).backward()
+        opt.step()
+
+    model = make_model().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.openreg.manual_seed(1)
+    static_x, static_y = data[0][0].to(DEV), data[0][1].to(DEV)
+    s = side_stream()
+    s.wait_stream(torch.accelerator.current_stream())
+    with s:  # warm-up step, eager
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(static_x), static_y).backward()
+        opt.step()
+    torch.accelerator.current_stream().wait_stream(s)
+    g = torch.accelerator.Graph()
+    opt.zero_grad(set_to_none=True)
+    with s, g:
+        loss_fn(model(static_x), static_y).backward()
+        opt.step()
+    for x, y in data[1:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+    for a, b in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
 class _SeqModel(torch.nn.Module):
     """A recurrent or attention body with a linear head over the last position."""
 
@@ -391,42 +427,7 @@ def test_sequence_model_training_capture_matches_eager(kind):
     g_cpu = torch.Generator().manual_seed(7)
     data = [(torch.randn(4, 6, 16, generator=g_cpu), torch.randint(0, 4, (4,), generator=g_cpu))
             for _ in range(4)]
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def run_eager(model, opt):
-        for x, y in data:
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(x.to(DEV)), y.to(DEV)).backward()
-            opt.step()
-
-    eager = _SeqModel(kind).to(DEV)
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    torch.openreg.manual_seed(1)
-    run_eager(eager, opt)
-
-    model = _SeqModel(kind).to(DEV)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.openreg.manual_seed(1)
-    static_x = data[0][0].to(DEV)
-    static_y = data[0][1].to(DEV)
-    s = side_stream()
-    s.wait_stream(torch.accelerator.current_stream())
-    with s:  # warm-up step, eager
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(static_x), static_y).backward()
-        opt.step()
-    torch.accelerator.current_stream().wait_stream(s)
-    g = torch.accelerator.Graph()
-    opt.zero_grad(set_to_none=True)
-    with s, g:
-        loss_fn(model(static_x), static_y).backward()
-        opt.step()
-    for x, y in data[1:]:
-        static_x.copy_(x)
-        static_y.copy_(y)
-        g.replay()
-    for a, b in zip(eager.parameters(), model.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+    _assert_captured_training_matches_eager(lambda: _SeqModel(kind), data)
 
 
 def test_backward_on_the_autograd_thread_is_captured():
@@ -619,36 +620,7 @@ def test_cnn_training_step_capture_matches_eager():
     g_cpu = torch.Generator().manual_seed(1)
     data = [(torch.randn(2, 1, 8, 8, generator=g_cpu), torch.randint(0, 3, (2,), generator=g_cpu))
             for _ in range(4)]
-    loss_fn = torch.nn.CrossEntropyLoss()
-    eager = make().to(DEV)
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(eager(x.to(DEV)), y.to(DEV)).backward()
-        opt.step()
-    model = make().to(DEV)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sx = torch.zeros(2, 1, 8, 8, device=DEV)
-    sy = torch.zeros(2, dtype=torch.long, device=DEV)
-    s = side_stream()
-    sx.copy_(data[0][0])
-    sy.copy_(data[0][1])
-    with s:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(sx), sy).backward()
-        opt.step()
-    torch.accelerator.current_stream().wait_stream(s)
-    g = torch.accelerator.Graph()
-    opt.zero_grad(set_to_none=True)
-    with s, g:
-        loss_fn(model(sx), sy).backward()
-        opt.step()
-    for x, y in data[1:]:
-        sx.copy_(x)
-        sy.copy_(y)
-        g.replay()
-    for a, b in zip(eager.parameters(), model.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+    _assert_captured_training_matches_eager(make, data)
 
 
 def test_openreg_graph_context_manager():
