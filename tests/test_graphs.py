@@ -315,14 +315,23 @@ def _mlp():
     lambda p: torch.optim.Adam(p, lr=0.01, capturable=True),
 ], ids=["sgd-momentum", "adam-capturable"])
 def test_whole_network_capture_matches_eager_training(make_opt):
-    # PyTorch's "whole network capture" recipe: warm up on a side stream, capture forward,
-    # backward and optimizer step once with static inputs, then replay with new data.
     g_cpu = torch.Generator().manual_seed(5)
     data = [(torch.randn(8, 16, generator=g_cpu), torch.randint(0, 4, (8,), generator=g_cpu))
             for _ in range(6)]
-    loss_fn = torch.nn.CrossEntropyLoss()
+    _assert_captured_training_matches_eager(_mlp, data, make_opt)
 
-    eager = _mlp().to(DEV)
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _assert_captured_training_matches_eager(make_model, data, make_opt=_sgd):
+    """PyTorch's "whole network capture" recipe: trains make_model() eagerly on `data`, then a
+    second copy with one eager warm-up step on a side stream and a captured step (forward,
+    backward, optimizer step) on static inputs, replayed on the rest of the data. Parameters and
+    losses must agree with the eager run."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    eager = make_model().to(DEV)
     opt = make_opt(eager.parameters())
     torch.openreg.manual_seed(1)
     eager_losses = []
@@ -333,21 +342,17 @@ def test_whole_network_capture_matches_eager_training(make_opt):
         opt.step()
         eager_losses.append(loss.item())
 
-    model = _mlp().to(DEV)
+    model = make_model().to(DEV)
     opt = make_opt(model.parameters())
     torch.openreg.manual_seed(1)
-    static_x = torch.zeros(8, 16, device=DEV)
-    static_y = torch.zeros(8, dtype=torch.long, device=DEV)
+    static_x, static_y = data[0][0].to(DEV), data[0][1].to(DEV)
     s = side_stream()
     s.wait_stream(torch.accelerator.current_stream())
-    static_x.copy_(data[0][0])
-    static_y.copy_(data[0][1])
-    with s:  # warm-up step, eager, on the side stream
+    with s:  # warm-up step, eager
         opt.zero_grad(set_to_none=True)
         loss_fn(model(static_x), static_y).backward()
         opt.step()
     torch.accelerator.current_stream().wait_stream(s)
-
     g = torch.accelerator.Graph()
     opt.zero_grad(set_to_none=True)
     with s, g:
@@ -363,42 +368,6 @@ def test_whole_network_capture_matches_eager_training(make_opt):
     for a, b in zip(eager.parameters(), model.parameters()):
         torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses[1:]))
-
-
-def _assert_captured_training_matches_eager(make_model, data):
-    """Trains make_model() eagerly on `data`, then a second copy with one eager warm-up step and a
-    captured step (forward, backward, SGD step) replayed on the rest; parameters must agree."""
-    loss_fn = torch.nn.CrossEntropyLoss()
-    eager = make_model().to(DEV)
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    torch.openreg.manual_seed(1)
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        loss_fn(eager(x.to(DEV)), y.to(DEV)).backward()
-        opt.step()
-
-    model = make_model().to(DEV)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    torch.openreg.manual_seed(1)
-    static_x, static_y = data[0][0].to(DEV), data[0][1].to(DEV)
-    s = side_stream()
-    s.wait_stream(torch.accelerator.current_stream())
-    with s:  # warm-up step, eager
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(static_x), static_y).backward()
-        opt.step()
-    torch.accelerator.current_stream().wait_stream(s)
-    g = torch.accelerator.Graph()
-    opt.zero_grad(set_to_none=True)
-    with s, g:
-        loss_fn(model(static_x), static_y).backward()
-        opt.step()
-    for x, y in data[1:]:
-        static_x.copy_(x)
-        static_y.copy_(y)
-        g.replay()
-    for a, b in zip(eager.parameters(), model.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
 
 
 class _SeqModel(torch.nn.Module):

@@ -228,8 +228,8 @@ def test_unshareable_segment_raises_a_clear_error(tmp_path):
     shim.write_text("#include <errno.h>\nint memfd_create(const char* n, unsigned int f) "
                     "{ (void)n; (void)f; errno = EMFILE; return -1; }\n")
     lib = tmp_path / "nomemfd.so"
-    if subprocess.run(["cc", "-shared", "-fPIC", str(shim), "-o", str(lib)]).returncode != 0:
-        pytest.skip("no C compiler")
+    # building openreg needs a C compiler, so the README's commands have one
+    subprocess.run(["cc", "-shared", "-fPIC", str(shim), "-o", str(lib)], check=True)
     code = ("import torch\n"
             "from multiprocessing.reduction import ForkingPickler\n"
             "t = torch.ones(3, device='openreg:0') * 2\n"

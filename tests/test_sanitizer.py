@@ -266,8 +266,7 @@ def test_reading_a_non_blocking_copy_after_synchronizing_is_silent(sanitize, how
 def test_to_cpu_non_blocking_read_early_is_flagged(sanitize):
     x = torch.arange(N, dtype=torch.float32, device="openreg")
     host = x.to("cpu", non_blocking=True)
-    if not host.is_pinned():
-        pytest.skip("to(cpu, non_blocking) does not give pinned memory here")
+    assert host.is_pinned()  # as on CUDA: the copy lands later, into pinned memory
     with pytest.raises(StreamSanitizerError):
         host.max()
 
@@ -380,8 +379,6 @@ def test_environment_variable_enables_it_in_a_script():
 
 
 def test_copies_between_devices_are_ordered_after_the_source_stream(sanitize):
-    if torch.openreg.device_count() < 2:
-        pytest.skip("needs two openreg devices")
     x = torch.arange(N, dtype=torch.float32, device="openreg:0")
     y = x.to("openreg:1")  # waits for openreg:0's current stream, runs on openreg:1's
     y.mul_(2)
@@ -390,8 +387,6 @@ def test_copies_between_devices_are_ordered_after_the_source_stream(sanitize):
 
 
 def test_work_on_another_device_read_without_waiting_is_flagged(sanitize):
-    if torch.openreg.device_count() < 2:
-        pytest.skip("needs two openreg devices")
     x = torch.ones(N, device="openreg:1")
     with torch.openreg.device(1):
         side = torch.Stream(device="openreg:1")
