@@ -4,7 +4,8 @@
                                  [--backward-on-caller] [workload ...]
 
 workloads: mlp_train_step, cnn_train_step, transformer_train_step (the default three) and
-linear_relu_train_step (why compiled Transformer steps are not faster than eager).
+linear_relu_train_step (the Transformer's feed-forward block alone: the kernels that save and
+read relu's bool mask, which openreg generates differently from the CPU, docs/compile.md).
 
 The model's forward and loss are compiled with default settings (Inductor; its backward is
 compiled by AOTAutograd); the SGD step is the same eager step in every variant. Rounds
@@ -40,8 +41,8 @@ def build(name: str, device: str, compiled: bool):
         loss_fn = nn.functional.cross_entropy
     elif name == "linear_relu_train_step":
         # the Transformer's feed-forward block in isolation: in training, Inductor's forward
-        # kernel for relu also writes the bool mask the backward needs (relu <= 0), and that
-        # C++ kernel is the slow part of compiled Transformer steps (docs/compile.md, Speed)
+        # kernel for relu also writes the bool mask the backward needs (relu <= 0); torch's C++
+        # code for that store is slow, openreg's is not (docs/compile.md, "Bool buffers")
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
         x, y = torch.randn(512, 64), torch.randn(512, 128)
         loss_fn = nn.functional.mse_loss

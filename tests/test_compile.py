@@ -293,6 +293,64 @@ def test_loop_transforms_are_off_for_openreg_graphs_only():
     assert tuple(getattr(config, n) for n in names) == defaults
 
 
+def test_bool_buffers_are_stored_and_loaded_as_bytes_in_openreg_graphs_only():
+    """A training forward through relu saves the bool mask for the backward. openreg kernels
+    store and load contiguous bool buffers as bytes with whole-vector conversions
+    (compile.py, BOOL_VECTORS) instead of ``VecMask::store(bool*)`` / ``VecMask::from(bool*)``,
+    which go lane by lane (docs/compile.md, Speed); a CPU graph keeps torch's code."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    assert pick_vec_isa(), "Inductor found no vector ISA: its vectorized C++ kernels are not used"
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(16, 48), nn.ReLU())
+    x = torch.randn(37, 16)
+    codes, grads = {}, {}
+    with config.patch(fx_graph_cache=False):  # the code generators must run
+        for device in ("openreg:1", "cpu"):
+            torch._dynamo.reset()
+            model = nn.Sequential(nn.Linear(16, 48), nn.ReLU()).to(device)
+            model.load_state_dict(cpu_model.state_dict())
+            step = torch.compile(model)  # relu's output leaves the graph, its mask is saved
+            _, codes[device] = run_and_get_code(
+                lambda: step(x.to(device)).square().sum().backward())
+            grads[device] = model[0].weight.grad.cpu()
+    cpu_model(x).square().sum().backward()
+    torch.testing.assert_close(grads["openreg:1"], cpu_model[0].weight.grad)
+    torch.testing.assert_close(grads["cpu"], cpu_model[0].weight.grad)
+    forward, backward = codes["openreg:1"]
+    assert "bool* out_ptr" in forward and "bool* in_ptr" in backward  # the saved mask
+    assert "at::vec::convert<int8_t,1,float,1>(" in forward
+    assert "at::vec::Vectorized<int8_t>::loadu(" in backward
+    cpu_forward, cpu_backward = codes["cpu"]
+    assert "bool* out_ptr" in cpu_forward and "convert<int8_t" not in cpu_forward
+    assert "Vectorized<int8_t>::loadu" not in cpu_backward
+
+    # The bytes equal the CPU's (0 or 1), for tails, int64 comparisons, bool inputs, vertical
+    # bool reductions, and masks of two vectors (bf16 kernels).
+    def f(x, i, m):
+        return (x > 0.1, i * 3 > 7, torch.where(m, x, -x), (m & (x > 0)) | ~m, m.any(0),
+                (x > 0).all(0), (x > 0).t().contiguous())
+
+    def g(h, m):
+        return (h.float() > 0) & m, torch.where(m, h, h * 2)
+
+    x, m = torch.randn(37, 53), torch.randn(37, 53) > 0
+    cases = ((f, (x, torch.randint(-5, 5, (37, 53)), m), "convert<int8_t,1,float,1>"),
+             (g, (torch.randn(37, 53, dtype=torch.bfloat16), m), "convert<int8_t,1,float,2>"))
+    for fn, args, store in cases:
+        with config.patch(fx_graph_cache=False):
+            outs, (code,) = run_and_get_code(torch.compile(fn),
+                                             *(a.to("openreg:0") for a in args))
+        assert store in code and "Vectorized<int8_t>::loadu" in code
+        for out, ref in zip(outs, fn(*args)):
+            assert out.device == torch.device("openreg:0")
+            if ref.dtype == torch.bool:
+                assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
+            else:
+                torch.testing.assert_close(out.cpu(), ref)
+
+
 def test_compile_in_another_thread():
     """Inductor's config is per thread in torch 2.13: openreg's settings must apply to graphs
     compiled in any thread (they were once set by assignment in the importing thread only, and a

@@ -284,6 +284,52 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
             return OpenRegWrapperCodegen()
     # [docs:end WRAPPER]
 
+    # [docs:start BOOL_VECTORS]
+    class OpenRegVecKernel(cpp.CppVecKernel):
+        """Inductor's vectorized C++ kernel, with contiguous bool buffers stored and loaded as
+        bytes.
+
+        A bool value of a vectorized kernel is a mask, ``at::vec::VecMask<float, N>``.
+        ``VecMask::store(bool*)`` converts it lane by lane through ``Vectorized<bool>`` (64
+        lanes on AVX-512 for 16 floats: two scalar loops of 64 and stack round trips per 16
+        elements) and ``VecMask::from(const bool*)`` builds it lane by lane: a training
+        forward that saves relu's mask for the backward spends most of its kernel time there
+        (docs/compile.md, "Bool buffers"). Here the mask becomes 0.0/1.0 floats converted to int8
+        (one vector conversion, ``at::vec::convert``) and is stored as bytes, and a load widens
+        the bytes to int32 and compares them with 0. Same bytes, same masks, on every ISA that
+        ``at::vec`` supports.
+        """
+
+        def _get_store_line(self, value, var, index, dtype, accu_store=False):
+            tiling_var = self.itervars[self.tiling_idx]
+            if (dtype != torch.bool or accu_store
+                    or self._try_get_const_stride(index, tiling_var) != 1):
+                return super()._get_store_line(value, var, index, dtype, accu_store)
+            n = self._get_num_vectors(torch.float)
+            code = cpp.IndentedBuffer()
+            code.writeline(
+                f"at::vec::convert<int8_t,1,float,{n}>({value}.template to<float,{n}>())"
+                f".store(reinterpret_cast<int8_t*>({var} + {cpp.cexpr_index(index)}), "
+                f"{cpp.cexpr_index(self.num_elems)});")
+            return code
+
+        def _get_vec_load_line(self, var, index, dtype, load_mask=None):
+            if dtype != torch.bool:
+                return super()._get_vec_load_line(var, index, dtype, load_mask)
+            n = self._get_num_vectors(torch.int32)
+            ints = ("at::vec::Vectorized<int32_t>" if n == 1
+                    else f"at::vec::VectorizedN<int32_t,{n}>")
+            loadbuf = f"{var} + {cpp.cexpr_index(index)}" if index != 0 else var
+            nums = (f"at::vec::convert<int32_t,{n},int8_t,1>(at::vec::Vectorized<int8_t>::loadu("
+                    f"reinterpret_cast<const int8_t*>({loadbuf}), "
+                    f"{cpp.cexpr_index(self.num_elems)}))")
+            return (f"at::vec::VecMask<int32_t,{n}>({nums} != {ints}(0))"
+                    f".template cast<float,{self._get_num_vectors(torch.float)}>()")
+
+    class OpenRegKernelProxy(cpp.CppKernelProxy):
+        vec_kernel_cls = OpenRegVecKernel
+    # [docs:end BOOL_VECTORS]
+
     # [docs:start SCHEDULING]
     class OpenRegScheduling(cpp.CppScheduling):
         """Inductor's C++ kernel generation, for openreg buffers.
@@ -299,6 +345,8 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         graph makes this object when it creates the graph's first openreg node, before fusing:
         its fusion pass then runs with the three turned off. Other graphs keep torch's settings.
         """
+
+        kernel_proxy_cls = OpenRegKernelProxy  # bool buffers as bytes (BOOL_VECTORS)
 
         def __init__(self, scheduler):
             super().__init__(scheduler)
