@@ -157,6 +157,20 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     openreg::release_autograd_graphs();
   });
+  m.def("_autograd_follow_caller", &openreg::follow_caller_enabled);
+  m.def("_set_autograd_follow_caller", &openreg::set_follow_caller);
+  m.def("_device_thread_stats", [] {
+    auto s = openreg::device_thread_stats();
+    py::dict d;
+    d["kernels"] = s.kernels;
+    d["busy_ns"] = s.busy_ns;
+    d["first_start_ns"] = s.first_start_ns;
+    d["last_end_ns"] = s.last_end_ns;
+    d["moves"] = s.moves;
+    return d;
+  });
+  m.def("_reset_device_thread_stats", &openreg::reset_device_thread_stats,
+        py::arg("enabled") = true);
 
   // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator
   m.def("_set_memory_fraction", &openreg::set_memory_fraction);
