@@ -333,6 +333,48 @@ def test_a_host_kernel_during_a_device_kernel_stops_following():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
+def test_two_device_threads_in_kernels_at_once_stop_following():
+    # A backward over two devices runs both device threads at once: they must not share a core.
+    # The device thread of openreg:0 is held inside a kernel while openreg:1's starts one.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    script = _FOLLOW_SCRIPT + textwrap.dedent("""
+        entered, release = threading.Event(), threading.Event()
+        lib = torch.library.Library("follow_test", "DEF")
+        lib.define("hold(Tensor x) -> Tensor")
+
+        def hold(x):
+            entered.set()
+            assert release.wait(60)
+            return x * 3
+
+        lib.impl("hold", hold, "CPU")
+
+        class Hold(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return torch.ops.follow_test.hold(grad)
+
+        x0 = torch.ones(4, device="openreg:0", requires_grad=True)
+        x1 = torch.ones(4, device="openreg:1", requires_grad=True)
+        y1 = x1 * 2
+        y1.register_hook(lambda g: entered.wait(60) and None)  # openreg:1 waits for the hold
+        x1.register_hook(lambda g: release.set())  # after openreg:1's kernel: let the hold go
+        assert affinity() == {min(full)} and _C._autograd_follow_caller()
+        (Hold.apply(x0).sum().cpu() + y1.sum().cpu()).backward()
+        assert not _C._autograd_follow_caller()
+        assert x0.grad.cpu().tolist() == [3.0] * 4 and x1.grad.cpu().tolist() == [2.0] * 4
+        assert affinity() == full, (affinity(), full)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
 def test_device_thread_counters_count_the_kernels_of_backward_only(device):
     from torch_openreg import _C
 

@@ -191,9 +191,10 @@ void move_to(int cpu) {
 // and each kernel of a device thread first moves the thread there if it is elsewhere (one
 // sched_setaffinity, only when the caller's core changed). That is right while the host thread
 // waits for the device thread, as in backward(); when both run kernels at the same time (user
-// threads running forward while another backward runs), sharing one core would serialise them:
-// the first time a host thread starts a kernel while a device thread is inside one, the device
-// threads get their own affinity back and stop following, for the rest of the process.
+// threads running forward while another backward runs, or the device threads of two devices
+// in one backward), sharing one core would serialise them: the first time a thread starts a
+// kernel while a device thread is inside one, the device threads get the process's affinity back
+// and stop following, for the rest of the process.
 // OPENREG_AUTOGRAD_FOLLOW_CALLER=0 switches it off from the start.
 DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
@@ -218,7 +219,10 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     if (target >= 0 && t_cpu != -2 - target && (target != t_cpu || target != sched_getcpu()))
       move_to(target);
   }
-  g_workers_in_kernel.fetch_add(1, std::memory_order_relaxed);
+  // Two device threads in kernels at once (a backward over two devices): same rule.
+  if (g_workers_in_kernel.fetch_add(1, std::memory_order_relaxed) > 0 &&
+      g_moved_workers.load(std::memory_order_relaxed) > 0)
+    stop_following();
   if (g_stats.load(std::memory_order_relaxed)) start_ns_ = monotonic_ns();
 }
 
