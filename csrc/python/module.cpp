@@ -7,6 +7,7 @@
 #include "adapters/gpu_trace.h"
 #include "adapters/host_allocator.h"
 #include "adapters/ipc.h"
+#include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
@@ -95,6 +96,13 @@ PYBIND11_MODULE(_C, m) {
     openreg::synchronize_all();
     py::gil_scoped_acquire gil;
     for (int d = 0; d < openreg::device_count(); ++d) openreg::gpu_trace::device_synchronization(d);
+  });
+  // ---- the asynchronous kernel mode (ops/async_kernel.cpp, torch_openreg/async_mode.py)
+  m.def("_set_async", &openreg::set_async_kernels);
+  m.def("_is_async", &openreg::async_kernels_enabled);
+  m.def("_async_counts", [] {
+    auto c = openreg::async_counts();
+    return py::make_tuple(c.queued, c.synchronous);
   });
   // ---- the sanitizer's trace hooks (adapters/gpu_trace.h, torch_openreg/sanitizer.py)
   m.def("_set_gpu_trace", [](bool on) {
