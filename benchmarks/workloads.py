@@ -38,20 +38,39 @@ def tiny_adds(device: str, n: int = 100) -> Step:
 def _train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                 loss_fn: Callable, lr: float = 0.01, phases: list | None = None) -> Step:
     """One SGD step. With `phases`, each step appends its (forward, backward, optimizer) seconds;
-    the optimizer phase ends with loss.item(), which waits for the device."""
+    the optimizer phase ends with loss.item(), which waits for the device. On openreg it also
+    appends where backward's time went on the device thread: from the call of backward() to the
+    device thread's first kernel, the time inside kernels on the device thread, their number, and
+    from the last kernel's end to the return of backward() (seconds, counters of
+    csrc/adapters/autograd.cpp)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    device_thread = None
+    if phases is not None and inputs.device.type == "openreg":
+        from torch_openreg import _C
+        device_thread = _C
 
     def step() -> None:
         t0 = time.perf_counter()
         loss = loss_fn(model(inputs), targets)
         t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
+        if device_thread is not None:
+            device_thread._reset_device_thread_stats()
+            call_ns = time.monotonic_ns()
         loss.backward()
+        if device_thread is not None:
+            return_ns = time.monotonic_ns()
+            stats = device_thread._device_thread_stats()
+            device_thread._reset_device_thread_stats(False)
         t2 = time.perf_counter()
         opt.step()
         loss.item()
         if phases is not None:
-            phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+            times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+            if device_thread is not None and stats["kernels"]:
+                times += ((stats["first_start_ns"] - call_ns) * 1e-9, stats["busy_ns"] * 1e-9,
+                          stats["kernels"], (return_ns - stats["last_end_ns"]) * 1e-9)
+            phases.append(times)
 
     return step
 
@@ -112,9 +131,13 @@ def transformer(device: str, phases: list | None = None) -> Step:
                        phases=phases)
 
 
+# The project's speed targets (README): tiny operators within 1.5x of the CPU; training steps
+# within 1.1x with one OpenMP thread on both sides (the per-operator cost openreg controls), 1.25x
+# with the default settings.
+TRAIN_TARGET = 1.1 if torch.get_num_threads() == 1 else 1.25
 WORKLOADS = {
-    "tiny_adds": (tiny_adds, 3.0),  # (builder, target ratio openreg/cpu)
-    "mlp_train_step": (mlp, 1.2),
-    "cnn_train_step": (cnn, 1.2),
-    "transformer_train_step": (transformer, 1.2),
+    "tiny_adds": (tiny_adds, 1.5),  # (builder, target ratio openreg/cpu)
+    "mlp_train_step": (mlp, TRAIN_TARGET),
+    "cnn_train_step": (cnn, TRAIN_TARGET),
+    "transformer_train_step": (transformer, TRAIN_TARGET),
 }

@@ -205,6 +205,192 @@ def test_exit_is_not_held_up_by_a_backward_that_never_ends():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+# --- where the device threads run (csrc/adapters/autograd.cpp, FOLLOW_CALLER) --------------------
+
+
+def _device_thread_affinity(device):
+    """The CPU affinity of the device thread, seen from inside a backward on it (after one of its
+    kernels has run)."""
+    seen = {}
+
+    def hook(grad):
+        seen["affinity"] = os.sched_getaffinity(0)  # 0: the calling thread, the device thread
+        return grad
+
+    x = torch.ones(4, device=device, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    (y * 3).sum().backward()  # MulBackward's kernel runs on the device thread before the hook
+    return seen["affinity"]
+
+
+@pytest.fixture
+def following():
+    from torch_openreg import _C
+
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        pytest.skip("the device thread can only follow the caller to another core with 2 cores")
+    before = _C._autograd_follow_caller()
+    _C._set_autograd_follow_caller(True)
+    yield sorted(mask)
+    _C._set_autograd_follow_caller(before)
+    os.sched_setaffinity(0, mask)
+
+
+def test_the_device_thread_runs_on_the_core_of_the_thread_that_waits_for_it(following):
+    # The caller waits while the device thread runs backward; on the same core, the data of the
+    # step stays in one core's cache (docs/autograd.md). Pinning the caller to one core, then to
+    # another, moves the device thread after it.
+    device = torch.device("openreg:0")
+    for core in following[:2]:
+        os.sched_setaffinity(0, {core})
+        assert _device_thread_affinity(device) == {core}
+
+
+def test_not_following_gives_the_device_thread_its_own_affinity_back(following):
+    from torch_openreg import _C
+
+    device = torch.device("openreg:0")
+    os.sched_setaffinity(0, {following[0]})
+    assert _device_thread_affinity(device) == {following[0]}
+    _C._set_autograd_follow_caller(False)
+    assert _device_thread_affinity(device) == set(following)
+
+
+_FOLLOW_SCRIPT = textwrap.dedent("""
+    import os, threading, torch
+    from torch_openreg import _C
+
+    def affinity():
+        seen = {}
+        y = torch.ones(4, device="openreg:0", requires_grad=True) * 2
+        y.register_hook(lambda g: seen.setdefault("mask", os.sched_getaffinity(0)) and None)
+        (y * 3).sum().backward()
+        return seen["mask"]
+
+    full = os.sched_getaffinity(0)
+    affinity()  # starts the device thread (a thread starts with its starter's affinity)
+    os.sched_setaffinity(0, {min(full)})
+""")
+
+
+def test_following_can_be_switched_off_from_the_environment():
+    script = _FOLLOW_SCRIPT + textwrap.dedent("""
+        assert not _C._autograd_follow_caller()
+        assert affinity() == full, (affinity(), full)
+        print("ok")
+    """)
+    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="0")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_host_kernel_during_a_device_kernel_stops_following():
+    # Sharing a core is right while the caller waits; when a host thread runs kernels at the same
+    # time as a device thread, they would be serialised on one core. A device kernel is held open
+    # (a custom op's CPU kernel on the device thread waits) while the main thread runs a kernel.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    script = _FOLLOW_SCRIPT + textwrap.dedent("""
+        assert affinity() == {min(full)}
+        entered, release = threading.Event(), threading.Event()
+        lib = torch.library.Library("follow_test", "DEF")
+        lib.define("hold(Tensor x) -> Tensor")
+
+        def hold(x):
+            entered.set()
+            assert release.wait(60)
+            return x * 3
+
+        lib.impl("hold", hold, "CPU")
+
+        class Hold(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return torch.ops.follow_test.hold(grad)
+
+        x = torch.ones(4, device="openreg:0", requires_grad=True)
+        t = threading.Thread(target=lambda: Hold.apply(x).sum().backward())
+        t.start()
+        assert entered.wait(60)
+        assert _C._autograd_follow_caller()
+        with torch.openreg.stream(torch.openreg.Stream()):  # the device kernel holds the default one
+            y = torch.ones(4, device="openreg:0") + 1  # a host kernel while the device kernel runs
+        assert not _C._autograd_follow_caller()
+        release.set()
+        t.join(60)
+        assert x.grad.cpu().tolist() == [3.0] * 4 and y.cpu().tolist() == [2.0] * 4
+        assert affinity() == full, (affinity(), full)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_two_device_threads_in_kernels_at_once_stop_following():
+    # A backward over two devices runs both device threads at once: they must not share a core.
+    # The device thread of openreg:0 is held inside a kernel while openreg:1's starts one.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    script = _FOLLOW_SCRIPT + textwrap.dedent("""
+        entered, release = threading.Event(), threading.Event()
+        lib = torch.library.Library("follow_test", "DEF")
+        lib.define("hold(Tensor x) -> Tensor")
+
+        def hold(x):
+            entered.set()
+            assert release.wait(60)
+            return x * 3
+
+        lib.impl("hold", hold, "CPU")
+
+        class Hold(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return torch.ops.follow_test.hold(grad)
+
+        x0 = torch.ones(4, device="openreg:0", requires_grad=True)
+        x1 = torch.ones(4, device="openreg:1", requires_grad=True)
+        y1 = x1 * 2
+        y1.register_hook(lambda g: entered.wait(60) and None)  # openreg:1 waits for the hold
+        x1.register_hook(lambda g: release.set())  # after openreg:1's kernel: let the hold go
+        assert affinity() == {min(full)} and _C._autograd_follow_caller()
+        (Hold.apply(x0).sum().cpu() + y1.sum().cpu()).backward()
+        assert not _C._autograd_follow_caller()
+        assert x0.grad.cpu().tolist() == [3.0] * 4 and x1.grad.cpu().tolist() == [2.0] * 4
+        assert affinity() == full, (affinity(), full)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_device_thread_counters_count_the_kernels_of_backward_only(device):
+    from torch_openreg import _C
+
+    x = torch.ones(64, device=device, requires_grad=True)
+    _C._reset_device_thread_stats()
+    try:
+        y = (x * 2).sin()  # forward: kernels on this thread, not counted
+        assert _C._device_thread_stats()["kernels"] == 0
+        y.sum().backward()
+        stats = _C._device_thread_stats()
+    finally:
+        _C._reset_device_thread_stats(False)
+    assert stats["kernels"] >= 2  # at least the backward of sin and of mul
+    assert 0 < stats["busy_ns"] <= stats["last_end_ns"] - stats["first_start_ns"]
+
+
 # --- torch.autograd.Function on device tensors --------------------------------------------------
 
 

@@ -70,3 +70,8 @@ from torch_openreg import multiprocessing  # noqa: E402,F401
 from torch_openreg import sanitizer as _sanitizer  # noqa: E402
 
 _sanitizer._enable_from_environment()
+
+# OPENREG_ASYNC=1: kernels are queued on their stream and run by its worker (docs/async_mode.md).
+from torch_openreg import async_mode as _async_mode  # noqa: E402
+
+_async_mode._enable_from_environment()

@@ -105,6 +105,7 @@ class DeviceCache {
         stats_.num_alloc_retries++;
         lock.unlock();
         ipc_collect();  // frees blocks: must not hold the mutex
+        wait_for_queued_kernels(device_);  // they may use cached blocks (async mode, stream.h)
         lock.lock();
         wait_outstanding(lock);
         release_cached();
@@ -244,6 +245,9 @@ class DeviceCache {
   }
 
   void empty_cache() {
+    // Cached blocks may still be used by queued asynchronous kernels (stream.h): segments go
+    // back to the driver only after those ran, as cudaFree synchronizes the device.
+    wait_for_queued_kernels(device_);
     std::unique_lock lock(mutex_);
     wait_outstanding(lock);
     release_cached();

@@ -10,6 +10,7 @@
 //                                      // argument's storage, or y's memory adopted as is
 #pragma once
 
+#include "adapters/autograd.h"
 #include "adapters/device_allocator.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -61,6 +62,7 @@ class HostKernel {
   c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
 
   const int device_;
+  DeviceThreadPlacement placement_;  // device threads follow the caller's core (autograd.cpp)
   LaunchScope launch_;
   KernelScope kernel_;
   AllocateOnDevice allocate_;

@@ -10,6 +10,7 @@
 
 #include "adapters/generator.h"
 #include "adapters/graph.h"
+#include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
 
@@ -159,6 +160,12 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   if (Capture* capture = capturing(device))
     return capture_op(capture, op, stack, device, ReplayOn::Cpu);
   // [docs:end FALLBACK_CAPTURE]
+  // [docs:start FALLBACK_ASYNC]
+  // Asynchronous kernel mode (ops/async_kernel.h, docs/async_mode.md): the kernel is queued on
+  // the stream and the results are returned at once. What it cannot queue runs below as usual,
+  // in stream order (the HostKernel's LaunchScope waits for the queued work).
+  if (async_kernels_enabled() && async_fallback(op, stack, device, s)) return;
+  // [docs:end FALLBACK_ASYNC]
 
   HostKernel kernel(device);
   // Keep the device arguments written in place: they are synchronised after the kernel.

@@ -6,6 +6,7 @@
 #include "adapters/device_allocator.h"
 #include "adapters/graph.h"
 #include "adapters/host_allocator.h"
+#include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "routes/op_fallback.h"
 #include "runtime/device.h"
@@ -258,6 +259,8 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // (waited for, not held: holding both streams could deadlock against a copy the other way)
     // and run on the destination device's current stream.
     if (tensor_device(self) != tensor_device(dst)) stream_wait(current_stream(tensor_device(self)));
+    // Asynchronous kernel mode (ops/async_kernel.h): queued on the stream like a kernel.
+    else if (async_kernels_enabled() && async_device_copy(dst, self)) return dst;
     HostKernel k(tensor_device(dst));
     mark_launch_as(ActivityKind::CopyDtoD, size_t(dst.numel()) * dst.element_size());
     copy_between(k.alias(dst), k.alias(self));

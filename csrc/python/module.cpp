@@ -7,6 +7,7 @@
 #include "adapters/gpu_trace.h"
 #include "adapters/host_allocator.h"
 #include "adapters/ipc.h"
+#include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
@@ -96,6 +97,13 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_acquire gil;
     for (int d = 0; d < openreg::device_count(); ++d) openreg::gpu_trace::device_synchronization(d);
   });
+  // ---- the asynchronous kernel mode (ops/async_kernel.cpp, torch_openreg/async_mode.py)
+  m.def("_set_async", &openreg::set_async_kernels);
+  m.def("_is_async", &openreg::async_kernels_enabled);
+  m.def("_async_counts", [] {
+    auto c = openreg::async_counts();
+    return py::make_tuple(c.queued, c.synchronous);
+  });
   // ---- the sanitizer's trace hooks (adapters/gpu_trace.h, torch_openreg/sanitizer.py)
   m.def("_set_gpu_trace", [](bool on) {
     openreg::gpu_trace::g_enabled = on;
@@ -157,6 +165,20 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release no_gil;
     openreg::release_autograd_graphs();
   });
+  m.def("_autograd_follow_caller", &openreg::follow_caller_enabled);
+  m.def("_set_autograd_follow_caller", &openreg::set_follow_caller);
+  m.def("_device_thread_stats", [] {
+    auto s = openreg::device_thread_stats();
+    py::dict d;
+    d["kernels"] = s.kernels;
+    d["busy_ns"] = s.busy_ns;
+    d["first_start_ns"] = s.first_start_ns;
+    d["last_end_ns"] = s.last_end_ns;
+    d["moves"] = s.moves;
+    return d;
+  });
+  m.def("_reset_device_thread_stats", &openreg::reset_device_thread_stats,
+        py::arg("enabled") = true);
 
   // ---- memory (adapters/device_allocator.cpp); statistics go through torch.accelerator
   m.def("_set_memory_fraction", &openreg::set_memory_fraction);

@@ -121,6 +121,8 @@ class Stream {
                 "synchronize or query of the stream or of its device.)");
   }
 
+  bool has_error() const { return has_error_.load(std::memory_order_acquire); }
+
   bool worker_started() {
     std::lock_guard lock(mutex_);
     return worker_started_;
@@ -478,6 +480,41 @@ bool stream_release(const std::shared_ptr<StreamHold>& hold) {
 // [docs:end STREAM_HOLD]
 
 
+// [docs:start ASYNC_KERNEL_QUEUE_IMPL]
+namespace {
+std::atomic<bool> g_launch_reports_errors{false};
+std::atomic<int64_t> g_queued_kernels[kMaxDevices] = {};
+}  // namespace
+
+void set_launch_reports_errors(bool on) { g_launch_reports_errors = on; }
+
+bool inside_stream_work() { return tls_is_worker || tls_num_held > 0; }
+
+void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
+  const int device = s->device();
+  g_queued_kernels[device].fetch_add(1);
+  struct Done {
+    int device;
+    ~Done() { g_queued_kernels[device].fetch_sub(1); }
+  };
+  try {
+    stream_enqueue(s, [device, kernel = std::move(kernel)] {
+      Done done{device};
+      kernel();
+    });
+  } catch (...) {
+    g_queued_kernels[device].fetch_sub(1);
+    throw;
+  }
+}
+
+void wait_for_queued_kernels(int device) {
+  if (tls_is_worker || g_queued_kernels[device].load() == 0) return;
+  for (auto& s : all_streams()[device].streams)
+    if (!s->idle() && !held_here(s.get())) stream_wait(s.get());
+}
+// [docs:end ASYNC_KERNEL_QUEUE_IMPL]
+
 // [docs:start LAUNCH_SCOPE_IMPL]
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   check_not_forked();
@@ -493,6 +530,13 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   s->begin_kernel();
   push_held(s);
   stream_ = s;
+  if (g_launch_reports_errors.load(std::memory_order_relaxed) && s->has_error()) {
+    // Asynchronous kernel mode: the queued work this launch waited for failed (stream.h).
+    pop_held(s);
+    stream_ = nullptr;
+    s->end_kernel();
+    s->rethrow_async_error();
+  }
   if (profiling) {
     t_launch_kind = {};
     start_ns_ = wall_ns();  // the stream is ours from now on: the kernel starts on the device

@@ -69,6 +69,26 @@ bool on_stream_worker();
 // objects being destroyed), without raising. Does nothing in a forked child.
 void drain_at_exit() noexcept;
 
+// [docs:start ASYNC_KERNEL_QUEUE]
+// Kernels queued by the asynchronous kernel mode (ops/async_kernel.cpp, docs/async_mode.md). They
+// work on device memory they do not own, as a GPU kernel does: memory the host frees meanwhile
+// goes back to the caching allocator at once and is reused in stream order, but must not go back
+// to the driver before they ran. stream_enqueue_kernel counts them per device;
+// wait_for_queued_kernels (called by the allocator before it releases segments, as cudaFree
+// synchronizes the device) waits until the device has none left, except on streams the calling
+// thread holds (their queue was empty when it took them).
+void stream_enqueue_kernel(Stream* s, std::function<void()> kernel);
+void wait_for_queued_kernels(int device);
+// True on a stream worker or while the thread holds a stream (inside a LaunchScope): work issued
+// now must run inline, since queueing it behind the held stream's current work would never let
+// the caller see its result.
+bool inside_stream_work();
+// While on, a kernel launched synchronously (LaunchScope: .item(), .cpu(), blocking copies) on a
+// stream whose queued work failed reports that error, after waiting for the queue, as a GPU
+// reports a sticky asynchronous error at the next synchronizing call. Set by the async mode.
+void set_launch_reports_errors(bool on);
+// [docs:end ASYNC_KERNEL_QUEUE]
+
 // A testing aid: queues a task that fails with `message`, to test how code handles an
 // asynchronous device error (it surfaces at the next synchronize or query).
 void stream_inject_error(Stream* s, const std::string& message);

@@ -13,6 +13,8 @@ import torch
 
 from torch_openreg import _C
 
+from torch_openreg.async_mode import is_async, set_async  # noqa: F401
+
 from .graphs import graph, graph_pool_handle, is_current_stream_capturing  # noqa: F401
 from .memory import (  # noqa: F401
     empty_cache,

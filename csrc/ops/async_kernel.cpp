@@ -1,0 +1,587 @@
+// Native because: the asynchronous kernel mode is a branch of the generic fallback, the
+// per-operator hot path (ops/fallback.cpp).
+//
+// How an operator runs in the asynchronous kernel mode (docs/async_mode.md):
+//   1. on the host, the operator's meta kernel runs on meta tensors that mirror the arguments
+//      (sizes, strides, offsets, dtypes, and which arguments share a storage): it checks the
+//      arguments as the CPU kernel would and tells the outputs' metadata;
+//   2. the host allocates the fresh outputs through the device allocator, on the current stream
+//      (outputs that view an argument's storage stay views of the device storage; in-place and
+//      out= operators return their argument), and returns them at once;
+//   3. the stream's worker runs the CPU kernel later, in stream order, on CPU tensors over the
+//      same device memory, and copies each fresh result into the output the host handed out.
+// Like a GPU kernel, the queued kernel does not own the memory it uses: memory freed by the host
+// meanwhile is reused in stream order only (the caching allocator keeps blocks per stream;
+// record_stream covers other streams), and the allocator waits for queued kernels before it
+// releases segments to the driver (runtime/stream.h, wait_for_queued_kernels).
+#include "ops/async_kernel.h"
+
+#include "adapters/device_allocator.h"
+#include "runtime/device.h"
+#include "runtime/memory.h"
+#include "runtime/stream.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace openreg {
+
+std::atomic<bool> g_async_kernels{false};
+
+namespace {
+std::atomic<int64_t> g_queued{0};
+std::atomic<int64_t> g_synchronous{0};
+}  // namespace
+
+AsyncCounts async_counts() { return {g_queued.load(), g_synchronous.load()}; }
+
+void set_async_kernels(bool on) {
+  g_async_kernels = on;
+  set_launch_reports_errors(on);
+}
+
+namespace {
+
+constexpr auto kOpenReg = c10::DeviceType::PrivateUse1;
+// A backend key nobody registers kernels for: its slot in each operator's dispatch table holds
+// what PyTorch gives backends without their own kernel, e.g. the structured wrappers.
+constexpr auto kWrapperKey = c10::DispatchKey::PrivateUse3;
+
+bool is_tensor_type(const c10::TypePtr& type) {
+  const c10::Type* t = type.get();
+  if (t->kind() == c10::TypeKind::OptionalType)
+    t = t->castRaw<c10::OptionalType>()->getElementType().get();
+  if (t->kind() == c10::TypeKind::ListType)
+    t = t->castRaw<c10::ListType>()->getElementType().get();
+  return t->kind() == c10::TypeKind::TensorType;
+}
+
+// [docs:start ASYNC_ELIGIBLE]
+// What the mode does with an operator, decided once per operator.
+struct OpPlan {
+  // May be queued at all. The others run synchronously (in stream order, after the queued
+  // work): their results must exist before they return.
+  bool eligible = false;
+  // A structured operator's functional or in-place form: its generic wrapper (the kernel
+  // PyTorch registers for backends without their own) checks the arguments with the C++ meta
+  // function, allocates the outputs on the device and calls the `.out` form, which is queued.
+  bool structured_wrapper = false;
+  // Has a meta kernel in C++ (or a composite one), which gives the outputs' metadata.
+  bool cpp_meta = false;
+  // Every return is an argument written in place (in-place and out= forms): for each return,
+  // the index of that argument.
+  bool returns_written_args = false;
+  std::vector<size_t> returned_arg;
+};
+
+// Whether the operator's Meta kernel was registered from Python (torch.library), read from the
+// dispatcher's description of its table: "Meta: registered at <file>:<line> [kernel]".
+bool meta_in_python(const c10::OperatorHandle& op) {
+  const std::string table = "\n" + op.dumpComputedTable();
+  const size_t line = table.find("\nMeta: ");
+  if (line == std::string::npos) return false;
+  const size_t end = table.find('\n', line + 1);
+  const std::string meta = table.substr(line, end == std::string::npos ? end : end - line);
+  return meta.find(".py:") != std::string::npos;
+}
+
+OpPlan compute_plan(const c10::OperatorHandle& op, const ArgSummary& s) {
+  OpPlan plan;
+  const auto& schema = op.schema();
+  if (schema.name().rfind("aten::", 0) != 0) return plan;  // CPU kernels of other namespaces
+                                                           // may be Python (the GIL)
+  // Random operators draw from the device generator in program order (generator.md).
+  if (s.has_generator || op.hasTag(at::Tag::nondeterministic_seeded)) return plan;
+  // Output shapes or returned values that depend on the data (nonzero, unique, masked_select).
+  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output))
+    return plan;
+  if (s.cpu_tensors_allowed) return plan;  // index with CPU indices
+  // Only tensors can be handed out before they are computed (not bool, Scalar, int, ...).
+  for (const auto& ret : schema.returns())
+    if (!is_tensor_type(ret.type())) return plan;
+  // Checks and host side effects (_assert_tensor_metadata, _print): nothing to queue.
+  if (schema.returns().empty() && !s.any_writes) return plan;
+  plan.structured_wrapper =
+      op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+      !op.hasKernelForDispatchKey(kWrapperKey);
+  // Otherwise a meta kernel gives the outputs' metadata, if it is a C++ one: a meta kernel
+  // written in Python (torch/_meta_registrations.py registers many, over the C++ ones) costs
+  // 100-250 us per call, far more than running the operator synchronously (docs/async_mode.md).
+  plan.eligible = true;
+  plan.cpp_meta = (op.hasKernelForDispatchKey(c10::DispatchKey::Meta) && !meta_in_python(op)) ||
+                  op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+  plan.returns_written_args = s.any_writes;
+  for (const auto& ret : schema.returns()) {
+    const auto* alias = ret.alias_info();
+    size_t found = s.kinds.size();
+    if (alias != nullptr && alias->isWrite())
+      for (size_t i = 0; i < s.kinds.size(); ++i) {
+        const auto* arg = schema.arguments()[i].alias_info();
+        if (s.kinds[i] == ArgKind::Tensor && arg != nullptr && arg->isWrite() &&
+            arg->beforeSets() == alias->beforeSets())
+          found = i;
+      }
+    if (found == s.kinds.size()) plan.returns_written_args = false;
+    plan.returned_arg.push_back(found);
+  }
+  return plan;
+}
+// [docs:end ASYNC_ELIGIBLE]
+
+const OpPlan& plan_for(const c10::OperatorHandle& op, const ArgSummary& s) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, OpPlan> cache;
+  const auto* key = &op.schema();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  return cache.emplace(key, compute_plan(op, s)).first->second;
+}
+
+// Set while a structured wrapper runs: the `.out` call it makes has outputs of the right shape,
+// checked by the wrapper's meta function, so it needs no meta kernel of its own.
+thread_local bool t_checked_by_wrapper = false;
+
+at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                    like.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
+                                                 like.storage_offset());
+  if (like.is_conj()) t._set_conj(true);
+  if (like.is_neg()) t._set_neg(true);
+  return t;
+}
+
+c10::Storage meta_storage(size_t nbytes, bool resizable) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
+                      c10::DataPtr(nullptr, c10::Device(c10::DeviceType::Meta)),
+                      c10::GetAllocator(c10::DeviceType::Meta), resizable);
+}
+
+// A CPU storage over device memory that it does not own (the queued kernel's view of it).
+c10::Storage cpu_view_storage(const c10::Storage& device_storage) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), device_storage.nbytes(),
+                      c10::DataPtr(const_cast<void*>(device_storage.data()),
+                                   c10::Device(c10::DeviceType::CPU)),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+// Queues `work` on `s` as an asynchronous kernel. While a profiler records, the kernel is
+// reported with the interval during which the stream's worker ran it, issued by this thread.
+void queue(Stream* s, ActivityKind kind, size_t bytes, std::function<void()> work) {
+  Issuer issuer;
+  if (ActivityRecorder* recorder = activity_recorder()) {
+    issuer = recorder->issuer();
+    issuer.start_ns = issuer.end_ns = activity_clock_ns();
+  }
+  const int device = stream_device(s);
+  const int64_t id = stream_id(s);
+  stream_enqueue_kernel(s, [work = std::move(work), issuer, kind, bytes, device, id] {
+    const int64_t start = issuer.start_ns != 0 ? activity_clock_ns() : 0;
+    work();
+    if (start != 0)
+      if (ActivityRecorder* recorder = activity_recorder())
+        recorder->record({kind, device, id, start, activity_clock_ns(), bytes, issuer, ""});
+  });
+}
+
+// Warnings of the meta kernel are held back: if the operator then runs synchronously, its CPU
+// kernel gives them (once); if it is queued, they are given on the host at the launch.
+struct WarningBuffer : c10::WarningHandler {
+  std::vector<c10::Warning> warnings;
+  void process(const c10::Warning& w) override { warnings.push_back(w); }
+};
+// The queued CPU kernel's warnings were given by the meta kernel on the host already.
+struct DropWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+// What the worker runs.
+struct QueuedKernel {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;  // CPU views of device memory, copies of host scalars
+  struct Output {
+    size_t ret;         // index among the operator's returns
+    int64_t item;       // index in a returned list, -1 for a tensor
+    at::Tensor dest;    // CPU view of the output the host handed out
+  };
+  std::vector<Output> fresh;  // outputs to fill with the CPU kernel's results
+};
+
+// [docs:start ASYNC_RUN]
+void run_queued(QueuedKernel& k, int device, int64_t stream) {
+  set_current_stream_id(device, stream);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  DropWarnings drop;
+  c10::WarningUtils::WarningHandlerGuard quiet(&drop);
+  KernelScope memory;  // device pages host-accessible (strict memory mode)
+  c10::Stack stack(std::make_move_iterator(k.args.begin()), std::make_move_iterator(k.args.end()));
+  k.args.clear();
+  try {
+    k.op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &stack);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, k.op.schema().operator_name(), " failed in a kernel queued by the "
+                "asynchronous kernel mode: ", e.what_without_backtrace());
+  }
+  const size_t first = stack.size() - k.op.schema().returns().size();
+  for (const auto& out : k.fresh) {
+    const c10::IValue& v = stack[first + out.ret];
+    at::Tensor result = out.item < 0 ? v.toTensor() : v.toTensorList().get(out.item);
+    TORCH_CHECK(result.defined() && result.sizes() == out.dest.sizes(), "openreg: ",
+                k.op.schema().operator_name(), " (asynchronous kernel mode) returned ",
+                result.defined() ? c10::str("shape ", result.sizes()) : std::string("nothing"),
+                " where its meta kernel announced shape ", out.dest.sizes());
+    if (result.data_ptr() == out.dest.data_ptr() && result.strides() == out.dest.strides() &&
+        result.dtype() == out.dest.dtype())
+      continue;
+    out.dest.copy_(result);
+  }
+}
+// [docs:end ASYNC_RUN]
+
+// One launch: the meta and CPU counterparts of the arguments, and the outputs.
+class Launch {
+ public:
+  // Without meta, only the CPU forms are made (an operator checked by a structured wrapper).
+  Launch(int device, bool with_meta) : device_(device), with_meta_(with_meta) {}
+
+  // Converts one argument into its meta form (for the meta kernel) and its CPU form (for the
+  // queued kernel). Returns false for an argument that cannot be queued.
+  bool convert(const c10::IValue& v, ArgKind kind, bool written, c10::IValue& meta,
+               c10::IValue& cpu) {
+    switch (kind) {
+      case ArgKind::Tensor:
+        if (v.isTensor()) {
+          at::Tensor m, c;
+          if (!tensor(v.toTensor(), written, m, c)) return false;
+          meta = std::move(m);
+          cpu = std::move(c);
+          return true;
+        }
+        break;
+      case ArgKind::TensorList:
+        if (v.isTensorList()) {
+          c10::List<at::Tensor> ml, cl;
+          for (const at::Tensor& t : v.toTensorList()) {
+            at::Tensor m, c;
+            if (!tensor(t, written, m, c)) return false;
+            ml.push_back(std::move(m));
+            cl.push_back(std::move(c));
+          }
+          meta = std::move(ml);
+          cpu = std::move(cl);
+          return true;
+        }
+        break;
+      case ArgKind::OptionalTensorList:
+        if (v.isList()) {
+          c10::List<std::optional<at::Tensor>> ml, cl;
+          for (const c10::IValue& e : v.toListRef()) {
+            if (!e.isTensor()) {
+              ml.push_back(std::nullopt);
+              cl.push_back(std::nullopt);
+              continue;
+            }
+            at::Tensor m, c;
+            if (!tensor(e.toTensor(), written, m, c)) return false;
+            ml.push_back(std::move(m));
+            cl.push_back(std::move(c));
+          }
+          meta = std::move(ml);
+          cpu = std::move(cl);
+          return true;
+        }
+        break;
+      case ArgKind::Generator:
+        return false;  // not eligible; kept as a guard
+      case ArgKind::Device:
+        if (v.isDevice() && v.toDevice().type() == kOpenReg) {
+          meta = c10::Device(c10::DeviceType::Meta);
+          cpu = c10::Device(c10::DeviceType::CPU);
+          return true;
+        }
+        break;
+      default:
+        break;
+    }
+    meta = v;
+    cpu = v;
+    return true;
+  }
+
+  // Device arguments the operator writes must keep their sizes, strides and storage: an
+  // operator that would resize or restride one (out= of another shape, squeeze_) runs
+  // synchronously.
+  bool written_unchanged() const {
+    for (const auto& t : tensors_) {
+      if (!t.written) continue;
+      const at::Tensor& m = t.meta;
+      const at::Tensor& d = t.device;
+      if (m.sizes() != d.sizes() || m.strides() != d.strides() ||
+          m.storage_offset() != d.storage_offset() || m.dtype() != d.dtype() ||
+          m.is_conj() != d.is_conj() || m.is_neg() != d.is_neg() ||
+          !m.storage().is_alias_of(storages_[t.storage].meta) ||
+          m.storage().nbytes() != d.storage().nbytes())
+        return false;
+    }
+    return true;
+  }
+
+  // The device tensor the host returns for a meta output, or false if it cannot be made.
+  bool output(const at::Tensor& m, size_t ret, int64_t item, at::Tensor& result,
+              std::vector<QueuedKernel::Output>& fresh) {
+    if (!m.defined()) {
+      result = m;
+      return true;
+    }
+    if (m.device().type() != c10::DeviceType::Meta || m.layout() != c10::kStrided) return false;
+    for (const auto& t : tensors_)
+      if (t.meta.unsafeGetTensorImpl() == m.unsafeGetTensorImpl()) {
+        result = t.device;  // in-place and out= operators return their argument itself
+        return true;
+      }
+    const auto* storage = m.storage().unsafeGetStorageImpl();
+    for (const auto& st : storages_)
+      if (st.meta.unsafeGetStorageImpl() == storage) {
+        result = tensor_over(st.device, c10::DispatchKey::PrivateUse1, m);  // a view
+        return true;
+      }
+    if (c10::isQIntType(m.scalar_type())) return false;
+    size_t index = 0;
+    while (index < outputs_.size() && outputs_[index].meta.unsafeGetStorageImpl() != storage)
+      ++index;
+    if (index == outputs_.size()) {
+      const size_t nbytes = m.storage().nbytes();
+      c10::Storage device(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), nbytes, allocate_on_device(device_, nbytes),
+          allocator_for_device(device_), /*resizable=*/true));
+      c10::Storage cpu = cpu_view_storage(device);
+      outputs_.push_back({m.storage(), std::move(device), std::move(cpu)});
+    }
+    result = tensor_over(outputs_[index].device, c10::DispatchKey::PrivateUse1, m);
+    fresh.push_back({ret, item, tensor_over(outputs_[index].cpu, c10::DispatchKey::CPU, m)});
+    return true;
+  }
+
+ private:
+  struct StorageEntry {
+    const c10::StorageImpl* key;
+    c10::Storage device;
+    c10::Storage meta;
+    c10::Storage cpu;
+  };
+  struct TensorEntry {
+    at::Tensor device;
+    at::Tensor meta;
+    at::Tensor cpu;
+    size_t storage;
+    bool written;
+  };
+  struct OutputStorage {
+    c10::Storage meta;
+    c10::Storage device;
+    c10::Storage cpu;
+  };
+
+  bool tensor(const at::Tensor& t, bool written, at::Tensor& meta, at::Tensor& cpu) {
+    if (!t.defined()) {
+      meta = t;
+      cpu = t;
+      return true;
+    }
+    if (t.layout() != c10::kStrided) return false;
+    if (t.device().type() == c10::DeviceType::CPU) {
+      // A 0-dim CPU tensor (a scalar, DeviceCheck allowed nothing else): passed by value, as a
+      // GPU kernel receives its scalar arguments at the launch.
+      if (written) return false;
+      if (with_meta_) {
+        meta = tensor_over(meta_storage(t.storage().nbytes(), false), c10::DispatchKey::Meta, t);
+        if (t.unsafeGetTensorImpl()->is_wrapped_number())
+          meta.unsafeGetTensorImpl()->set_wrapped_number(true);
+      }
+      if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+        cpu = t;  // made by the argument parser, never seen by Python
+      } else {
+        cpu = t.clone();
+      }
+      return true;
+    }
+    if (t.device().type() != kOpenReg) return false;
+    for (auto& e : tensors_)
+      if (e.device.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+        e.written |= written;
+        meta = e.meta;
+        cpu = e.cpu;
+        return true;
+      }
+    const c10::Storage& storage = t.storage();
+    size_t index = 0;
+    while (index < storages_.size() && storages_[index].key != storage.unsafeGetStorageImpl())
+      ++index;
+    if (index == storages_.size())
+      storages_.push_back({storage.unsafeGetStorageImpl(), storage,
+                           with_meta_ ? meta_storage(storage.nbytes(), storage.resizable())
+                                      : c10::Storage(),
+                           cpu_view_storage(storage)});
+    if (with_meta_) meta = tensor_over(storages_[index].meta, c10::DispatchKey::Meta, t);
+    cpu = tensor_over(storages_[index].cpu, c10::DispatchKey::CPU, t);
+    tensors_.push_back({t, meta, cpu, index, written});
+    return true;
+  }
+
+  const int device_;
+  const bool with_meta_;
+  c10::SmallVector<StorageEntry, 4> storages_;
+  c10::SmallVector<TensorEntry, 4> tensors_;
+  c10::SmallVector<OutputStorage, 2> outputs_;
+};
+
+}  // namespace
+
+namespace {
+enum class Route { Queued, Wrapper, Synchronous };
+
+// [docs:start ASYNC_FALLBACK]
+Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
+                const ArgSummary& s) {
+  if (inside_stream_work()) return Route::Synchronous;
+  const OpPlan& plan = plan_for(op, s);
+  const bool checked = std::exchange(t_checked_by_wrapper, false);
+  if (!plan.eligible) return Route::Synchronous;
+  if (plan.structured_wrapper) {
+    // The wrapper runs here, on device tensors: its C++ meta function checks the arguments (the
+    // CPU's errors, raised now) and its outputs are allocated on the device; the `.out` call it
+    // makes comes back to the fallback and is queued below without a meta kernel.
+    struct Reset {
+      ~Reset() { t_checked_by_wrapper = false; }
+    } reset;
+    t_checked_by_wrapper = true;
+    op.redispatchBoxed(c10::DispatchKeySet(kWrapperKey), stack);
+    return Route::Wrapper;
+  }
+  const bool with_meta = !(checked && plan.returns_written_args);
+  if (with_meta && !plan.cpp_meta) return Route::Synchronous;
+  const size_t num_args = s.kinds.size();
+  const size_t first = stack->size() - num_args;
+  const size_t num_returns = op.schema().returns().size();
+
+  // 1. Meta and CPU forms of the arguments (device tensors sharing a storage share one).
+  Launch launch(device, with_meta);
+  c10::Stack meta_stack(num_args);
+  auto kernel = std::make_shared<QueuedKernel>(QueuedKernel{op, {}, {}});
+  kernel->args.resize(num_args);
+  for (size_t i = 0; i < num_args; ++i)
+    if (!launch.convert((*stack)[first + i], s.kinds[i], s.writes[i], meta_stack[i],
+                        kernel->args[i]))
+      return Route::Synchronous;
+
+  c10::SmallVector<c10::IValue, 2> results(num_returns);
+  WarningBuffer warnings;
+  if (!with_meta) {
+    // Checked by the wrapper: the results are the arguments written in place.
+    for (size_t r = 0; r < num_returns; ++r) results[r] = (*stack)[first + plan.returned_arg[r]];
+  } else {
+    // 2. The meta kernel checks the arguments and gives the outputs' metadata. If it refuses
+    //    them (or does not exist), the CPU kernel runs synchronously and raises the CPU's own
+    //    error.
+    try {
+      c10::WarningUtils::WarningHandlerGuard hold_back(&warnings);
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &meta_stack);
+    } catch (const std::exception&) {
+      return Route::Synchronous;
+    }
+    if (!launch.written_unchanged()) return Route::Synchronous;
+
+    // 3. Device outputs: arguments, views of arguments' storages, or fresh memory allocated now
+    //    on the current stream.
+    TORCH_INTERNAL_ASSERT(meta_stack.size() == num_returns);
+    for (size_t r = 0; r < num_returns; ++r) {
+      const c10::IValue& v = meta_stack[r];
+      if (v.isNone()) continue;
+      if (v.isTensor()) {
+        at::Tensor out;
+        if (!launch.output(v.toTensor(), r, -1, out, kernel->fresh)) return Route::Synchronous;
+        results[r] = std::move(out);
+      } else if (v.isTensorList()) {
+        c10::List<at::Tensor> list;
+        auto metas = v.toTensorList();
+        for (size_t j = 0; j < metas.size(); ++j) {
+          at::Tensor out;
+          if (!launch.output(metas.get(j), r, int64_t(j), out, kernel->fresh))
+            return Route::Synchronous;
+          list.push_back(std::move(out));
+        }
+        results[r] = std::move(list);
+      } else {
+        return Route::Synchronous;
+      }
+    }
+  }
+
+  // 4. Queue the CPU kernel behind the work issued on the stream so far, and return.
+  Stream* stream = current_stream(device);
+  const int64_t id = stream_id(stream);
+  queue(stream, ActivityKind::Kernel, 0, [kernel, device, id] { run_queued(*kernel, device, id); });
+  for (const c10::Warning& w : warnings.warnings) c10::warn(w);
+  torch::jit::drop(*stack, num_args);
+  for (auto& r : results) stack->push_back(std::move(r));
+  return Route::Queued;
+}
+// [docs:end ASYNC_FALLBACK]
+}  // namespace
+
+// [docs:start ASYNC_DEVICE_COPY]
+bool async_device_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (inside_stream_work() || dst.layout() != c10::kStrided || src.layout() != c10::kStrided)
+    return false;
+  const int device = dst.device().index();
+  auto view = [](const at::Tensor& t, const at::Tensor* other, const at::Tensor* other_view) {
+    if (other != nullptr && t.storage().is_alias_of(other->storage()))
+      return tensor_over(other_view->storage(), c10::DispatchKey::CPU, t);  // overlapping views
+    return tensor_over(cpu_view_storage(t.storage()), c10::DispatchKey::CPU, t);
+  };
+  at::Tensor d = view(dst, nullptr, nullptr);
+  at::Tensor s = view(src, &dst, &d);
+  queue(current_stream(device), ActivityKind::CopyDtoD, size_t(dst.numel()) * dst.element_size(),
+        [d, s] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    KernelScope memory;
+    d.copy_(s);
+  });
+  g_queued.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+bool async_fill(const at::Tensor& self, const c10::Scalar& value) {
+  if (inside_stream_work() || self.layout() != c10::kStrided) return false;
+  at::Tensor view = tensor_over(cpu_view_storage(self.storage()), c10::DispatchKey::CPU, self);
+  queue(current_stream(self.device().index()), ActivityKind::Memset,
+        size_t(self.numel()) * self.element_size(), [view, value] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    KernelScope memory;
+    view.fill_(value);
+  });
+  g_queued.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+// [docs:end ASYNC_DEVICE_COPY]
+
+bool async_fallback(const c10::OperatorHandle& op, c10::Stack* stack, int device,
+                    const ArgSummary& s) {
+  const Route route = try_queue(op, stack, device, s);
+  if (route == Route::Queued) g_queued.fetch_add(1, std::memory_order_relaxed);
+  if (route == Route::Synchronous) g_synchronous.fetch_add(1, std::memory_order_relaxed);
+  return route != Route::Synchronous;
+}
+
+}  // namespace openreg

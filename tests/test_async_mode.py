@@ -1,0 +1,399 @@
+"""The asynchronous kernel mode (torch_openreg/async_mode.py, csrc/ops/async_kernel.cpp,
+docs/async_mode.md): kernels are queued on their stream and the host returns at once.
+
+`hold_stream` makes "the kernel has not run yet" deterministic: a kernel queued behind the hold
+runs only when the hold opens.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from torch_openreg import async_mode
+from torch_openreg.testing import hold_stream
+
+N = 1000
+
+
+@pytest.fixture
+def asynchronous():
+    torch.openreg.synchronize()
+    with torch.openreg.set_async(True):
+        yield
+        torch.openreg.synchronize()
+
+
+def release_later(hold, seconds=0.2):
+    """Opens an entered hold_stream from another thread after `seconds`."""
+    timer = threading.Timer(seconds, lambda: hold.__exit__(None, None, None))
+    timer.start()
+    return timer
+
+
+def run_script(code, env=None, timeout=120):
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+# ---------------------------------------------------------------- the switch
+
+def test_set_async_is_a_switch_and_a_scope():
+    before = torch.openreg.is_async()
+    with torch.openreg.set_async(not before):
+        assert torch.openreg.is_async() is (not before)
+        with torch.openreg.set_async(before):
+            assert torch.openreg.is_async() is before
+        assert torch.openreg.is_async() is (not before)
+    assert torch.openreg.is_async() is before
+    torch.openreg.set_async(True)
+    try:
+        assert torch.openreg.is_async()
+    finally:
+        torch.openreg.set_async(before)
+    with pytest.raises(TypeError, match="set_async expects a bool"):
+        torch.openreg.set_async(1)
+
+
+def test_environment_variable_turns_the_mode_on():
+    code = "import torch; print(torch.openreg.is_async())"
+    assert run_script(code, {"OPENREG_ASYNC": "1"}).stdout.strip() == "True"
+    assert run_script(code, {"OPENREG_ASYNC": "0"}).stdout.strip() == "False"
+    bad = run_script(code, {"OPENREG_ASYNC": "yes"})
+    assert bad.returncode != 0 and "OPENREG_ASYNC must be 0 or 1" in bad.stderr
+
+
+# ---------------------------------------------------------------- the host does not wait
+
+def test_host_returns_before_the_kernel_ran(asynchronous):
+    x = torch.ones(N, device="openreg")
+    before = async_mode.counts()["queued"]
+    with hold_stream() as held:
+        y = x + 1  # would block until the hold times out if the host waited for the kernel
+        x.mul_(3)
+        assert not held.query()  # the kernels are queued behind the hold
+        assert y.shape == (N,) and y.device == x.device and y.dtype == x.dtype
+    assert async_mode.counts()["queued"] >= before + 2
+    torch.testing.assert_close(y.cpu(), torch.full((N,), 2.0))
+    torch.testing.assert_close(x.cpu(), torch.full((N,), 3.0))
+
+
+def test_missing_synchronization_reads_the_old_value(asynchronous):
+    x = torch.ones(N, device="openreg")
+    torch.openreg.synchronize()  # the fill is queued too: without this, `side` could read
+                                 # x before it ran (the kind of bug this mode shows)
+    side = torch.openreg.Stream()
+    with hold_stream():
+        x.add_(1)  # queued on the default stream, behind the hold
+        with torch.openreg.stream(side):
+            stale = x.clone()  # buggy: side does not wait for the default stream
+        side.synchronize()  # side is not held: its clone ran, before the add
+    torch.openreg.synchronize()
+    torch.testing.assert_close(stale.cpu(), torch.ones(N))  # the old value, every time
+
+    with hold_stream():
+        x.add_(1)
+        side.wait_stream(torch.openreg.current_stream())  # correct
+        with torch.openreg.stream(side):
+            fresh = x.clone()
+    torch.openreg.synchronize()
+    torch.testing.assert_close(fresh.cpu(), torch.full((N,), 3.0))
+
+
+# ---------------------------------------------------------------- what must wait, waits
+
+def stream_idle_after(wait):
+    def read(x):
+        wait()
+        # Everything issued before the wait has run: the stream is idle.
+        assert torch.openreg.current_stream().query()
+        return x.cpu()
+    return read
+
+
+def event_wait(x):
+    event = torch.openreg.Event()
+    event.record()
+    event.synchronize()
+    assert event.query() and torch.openreg.current_stream().query()
+    return x.cpu()
+
+
+def other_stream_wait(x):
+    side = torch.openreg.Stream()
+    side.wait_stream(torch.openreg.current_stream())
+    with torch.openreg.stream(side):
+        y = x * 1
+        return y.cpu()  # a blocking copy on `side`, which waits for the default stream
+
+
+def blocking_copy(x):
+    out = torch.empty(x.shape)
+    out.copy_(x)
+    return out
+
+
+READERS = {
+    "item": lambda x: torch.tensor([x[i].item() for i in range(3)]),
+    "cpu": lambda x: x.cpu(),
+    "tolist": lambda x: torch.tensor(x.tolist()),
+    "print": lambda x: torch.tensor(eval(repr(x).split("(", 1)[1].split("]")[0] + "]")),
+    "blocking_copy": blocking_copy,
+    "synchronize": stream_idle_after(torch.openreg.synchronize),
+    "stream_synchronize": stream_idle_after(lambda: torch.openreg.current_stream().synchronize()),
+    "event_synchronize": event_wait,
+    "wait_stream": other_stream_wait,
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_synchronizing_calls_wait_for_queued_kernels(asynchronous, reader):
+    x = torch.zeros(3, device="openreg")
+    torch.openreg.synchronize()
+    hold = hold_stream()
+    hold.__enter__()
+    x.add_(5)  # queued behind the hold, which opens in 0.2 s
+    timer = release_later(hold)
+    try:
+        value = READERS[reader](x)
+    finally:
+        timer.join()
+    torch.testing.assert_close(value, torch.full((3,), 5.0))
+
+
+# ---------------------------------------------------------------- streams run concurrently
+
+def test_work_on_another_stream_runs_while_one_is_held(asynchronous):
+    x = torch.full((N,), 2.0, device="openreg")
+    torch.openreg.synchronize()
+    side = torch.openreg.Stream()
+    default = torch.openreg.current_stream()
+    with hold_stream(default):
+        x.add_(1)  # stays queued on the default stream
+        with torch.openreg.stream(side):
+            y = x * 10  # runs on side's worker now (a missing synchronization: reads 2.0)
+            side.synchronize()
+            assert side.query() and not default.query()
+            value = y.cpu()  # a blocking copy on side: does not wait for the default stream
+    torch.testing.assert_close(value, torch.full((N,), 20.0))
+    torch.testing.assert_close(x.cpu(), torch.full((N,), 3.0))
+
+
+# ---------------------------------------------------------------- asynchronous errors
+
+def test_error_of_a_queued_kernel_surfaces_at_the_next_synchronization(asynchronous):
+    x = torch.ones(3, device="openreg")
+    index = torch.tensor([0, 7], device="openreg")
+    y = x.gather(0, index)  # the CPU kernel refuses index 7, later: no error here
+    assert y.shape == (2,)
+    with pytest.raises(RuntimeError) as excinfo:
+        torch.openreg.synchronize()
+    message = str(excinfo.value)
+    assert "asynchronous error on stream 0 of openreg:0" in message
+    assert "aten::gather.out" in message
+    assert "index 7 is out of bounds for dimension 0 with size 3" in message
+    torch.openreg.synchronize()  # reported once
+    torch.testing.assert_close((x + 1).cpu(), torch.full((3,), 2.0))  # the stream still works
+
+
+def test_error_of_a_queued_kernel_surfaces_at_item(asynchronous):
+    x = torch.ones(3, device="openreg")
+    index = torch.tensor([0, 7], device="openreg")
+    total = x.gather(0, index).sum()
+    with pytest.raises(RuntimeError, match="(?s)asynchronous error.*index 7 is out of bounds"):
+        total.item()
+    assert (x.sum().item()) == 3.0
+
+
+def test_default_mode_raises_the_cpu_error_at_the_call():
+    x = torch.ones(3, device="openreg")
+    index = torch.tensor([0, 7], device="openreg")
+    with torch.openreg.set_async(False):
+        with pytest.raises(RuntimeError, match="index 7 is out of bounds for dimension 0"):
+            x.gather(0, index)
+
+
+def test_argument_errors_are_raised_at_the_call_with_the_cpu_error(asynchronous):
+    a = torch.ones(2, 3, device="openreg")
+    b = torch.ones(4, 5, device="openreg")
+    with pytest.raises(RuntimeError) as on_device:
+        torch.mm(a, b)  # the meta kernel refuses: the CPU kernel runs synchronously
+    with pytest.raises(RuntimeError) as on_cpu:
+        torch.mm(a.cpu(), b.cpu())
+    assert str(on_device.value) == str(on_cpu.value)
+
+
+# ---------------------------------------------------------------- results as in the default mode
+
+def test_outputs_views_in_place_and_out_arguments(asynchronous):
+    cpu = torch.randn(4, 6)
+    x = cpu.to("openreg")
+    pairs = {
+        "add": (x + 2, cpu + 2),
+        "mm": (x @ x.t(), cpu @ cpu.t()),
+        "view_op": (x.diagonal(), cpu.diagonal()),
+        "max_dim_values": (x.max(dim=1).values, cpu.max(dim=1).values),
+        "max_dim_indices": (x.max(dim=1).indices, cpu.max(dim=1).indices),
+        "softmax": (x.softmax(-1), cpu.softmax(-1)),
+        "sum_int": (x.to(torch.int64).sum(0), cpu.to(torch.int64).sum(0)),
+        "chunk": (torch.stack(x.chunk(2, dim=1)), torch.stack(cpu.chunk(2, dim=1))),
+    }
+    out, out_cpu = torch.empty(4, 6, device="openreg"), torch.empty(4, 6)
+    torch.mul(x, 3, out=out)
+    torch.mul(cpu, 3, out=out_cpu)
+    y, y_cpu = x.clone(), cpu.clone()
+    y.add_(x).relu_()
+    y_cpu.add_(cpu).relu_()
+    pairs["out"] = (out, out_cpu)
+    pairs["in_place"] = (y, y_cpu)
+    for name, (device_result, expected) in pairs.items():
+        torch.testing.assert_close(device_result.cpu(), expected, msg=name)
+    assert torch.openreg.is_async()
+
+
+def test_data_dependent_operators_run_synchronously(asynchronous):
+    x = torch.tensor([0.0, 3.0, 0.0, 5.0], device="openreg")
+    before = async_mode.counts()
+    nz = x.nonzero()
+    selected = x[x > 1]
+    after = async_mode.counts()
+    assert after["synchronous"] >= before["synchronous"] + 2
+    assert nz.cpu().tolist() == [[1], [3]]
+    assert selected.cpu().tolist() == [3.0, 5.0]
+
+
+def test_training_step_matches_the_default_mode():
+    def train(device, asynchronous):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 5)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        data = torch.randn(16, 20).to(device)
+        target = torch.randint(0, 5, (16,)).to(device)
+        losses = []
+        with torch.openreg.set_async(asynchronous):
+            counts = async_mode.counts()
+            for _ in range(3):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(data), target)
+                loss.backward()  # on the device's autograd thread
+                opt.step()
+                losses.append(loss.detach())
+            queued = async_mode.counts()["queued"] - counts["queued"]
+            losses = [loss.item() for loss in losses]
+        return losses, [p.detach().cpu() for p in model.parameters()], queued
+
+    cpu_losses, cpu_params, _ = train("cpu", False)
+    sync_losses, sync_params, sync_queued = train("openreg", False)
+    async_losses, async_params, async_queued = train("openreg", True)
+    assert sync_queued == 0 and async_queued > 30  # forward, backward and optimizer queued
+    torch.testing.assert_close(async_losses, sync_losses)
+    torch.testing.assert_close(async_losses, cpu_losses)
+    for a, s, c in zip(async_params, sync_params, cpu_params):
+        torch.testing.assert_close(a, s)
+        torch.testing.assert_close(a, c)
+
+
+def test_backward_kernels_are_queued(asynchronous):
+    w = torch.randn(8, 8, device="openreg", requires_grad=True)
+    loss = (w.tanh() * 2).sum()
+    before = async_mode.counts()["queued"]
+    loss.backward()
+    assert async_mode.counts()["queued"] > before
+    torch.testing.assert_close(w.grad.cpu(), 2 * (1 - w.detach().cpu().tanh() ** 2))
+
+
+# ---------------------------------------------------------------- memory
+
+MEMORY_SCRIPT = """
+import time, torch
+from torch_openreg.testing import hold_stream
+torch.openreg.set_async(True)
+N = 4096
+side = torch.openreg.Stream()
+default = torch.openreg.current_stream()
+
+# 1. Freed on the host while a queued kernel reads it: reused in stream order only.
+x = torch.full((N,), 2.0, device="openreg"); torch.openreg.synchronize()
+with hold_stream():
+    y = x * 10
+    ptr = x.data_ptr(); del x
+    z = torch.empty(N, device="openreg")
+    assert z.data_ptr() == ptr, "the block was not reused"
+    z.fill_(9.0)  # queued after the multiplication
+torch.openreg.synchronize()
+assert y.cpu().eq(20).all() and z.cpu().eq(9).all()
+print("same stream: ok")
+
+# 2. Used on another stream and freed: record_stream keeps the block from being reused ...
+for record in (True, False):
+    x = torch.full((N,), 2.0, device="openreg"); torch.openreg.synchronize()
+    ptr = x.data_ptr()
+    with hold_stream(side):
+        with torch.openreg.stream(side):
+            y = x * 10
+        if record:
+            x.record_stream(side)
+        del x
+        z = torch.full((N,), 9.0, device="openreg")  # the default stream runs now
+        reused = z.data_ptr() == ptr
+        torch.openreg.current_stream().synchronize()
+    torch.openreg.synchronize()
+    print("record_stream" if record else "missing record_stream", reused, y.cpu()[0].item())
+
+# 3. empty_cache waits for the queued kernels before it returns memory to the driver.
+# x has a segment of its own (12 MB): freed, it can go back to the driver.
+x = torch.full((3 << 20,), 2.0, device="openreg"); torch.openreg.synchronize()
+hold = hold_stream(timeout=1.0); hold.__enter__()
+y = x * 10
+del x
+start = time.perf_counter()
+torch.openreg.empty_cache()  # must wait for the multiplication, i.e. for the hold's timeout
+waited = time.perf_counter() - start
+try:
+    hold.__exit__(None, None, None)
+except RuntimeError as e:  # the hold opened by itself after 1 s, as intended here
+    assert "opened by itself" in str(e)
+print("empty_cache waited:", waited > 0.5)
+assert y.cpu().eq(20).all()
+print("empty_cache: ok")
+"""
+
+
+def test_memory_is_reused_in_stream_order_only():
+    result = run_script(MEMORY_SCRIPT, {"OPENREG_STRICT_MEMORY": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "same stream: ok"
+    assert lines[1] == "record_stream False 20.0"
+    # The bug a GPU shows once in a while, every time here: the block was reused by the default
+    # stream while the side stream's kernel had not read it yet.
+    assert lines[2] == "missing record_stream True 90.0"
+    assert lines[3] == "empty_cache waited: True"
+    assert lines[4] == "empty_cache: ok"
+
+
+# ---------------------------------------------------------------- profiler
+
+def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64, device="openreg")
+    torch.openreg.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        with hold_stream():
+            torch.mm(a, a)
+        torch.openreg.synchronize()
+    launch = [e for e in prof.events() if e.name == "aten::mm"]
+    kernels = [e for e in prof.events()
+               if e.device_type == DeviceType.PrivateUse1 and "aten::mm" in e.name]
+    # mm, and the mm.out its structured wrapper calls, which is queued: one kernel.
+    assert len(launch) == 2 and len(kernels) == 1, [e.name for e in prof.events()]
+    # The host returned from the launch before the stream's worker ran the kernel.
+    assert kernels[0].time_range.start >= max(e.time_range.end for e in launch)
