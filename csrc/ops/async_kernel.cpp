@@ -509,7 +509,11 @@ class Launch {
           meta.unsafeGetTensorImpl()->set_wrapped_number(true);
       }
       if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-        cpu = t;  // made by the argument parser, never seen by Python
+        // Made from a Python number and never changed: the queued kernel gets its own
+        // TensorImpl over the same memory (autograd may hand the original to Python, and a
+        // stream worker must never release an object Python holds: that needs the GIL).
+        cpu = tensor_over(t.storage(), c10::DispatchKey::CPU, t);
+        cpu.unsafeGetTensorImpl()->set_wrapped_number(true);
       } else {
         cpu = t.clone();
       }
