@@ -397,3 +397,34 @@ def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
     assert len(launch) == 2 and len(kernels) == 1, [e.name for e in prof.events()]
     # The host returned from the launch before the stream's worker ran the kernel.
     assert kernels[0].time_range.start >= max(e.time_range.end for e in launch)
+
+
+# ---------------------------------------------------------------- the signature cache
+
+def test_operators_without_cpp_meta_are_queued_from_the_second_call_of_a_signature(asynchronous):
+    x = torch.randn(7, 5, device="openreg")
+    cpu = x.cpu()
+    counts = async_mode.counts()
+    first = x.relu()  # relu's only meta kernel is Python: the first call runs synchronously
+    after_first = async_mode.counts()
+    assert after_first["synchronous"] == counts["synchronous"] + 1
+    with hold_stream():
+        second = x.relu()  # same signature: queued (it would block until the timeout otherwise)
+    assert async_mode.counts()["queued"] == after_first["queued"] + 1
+    other = x[:, :3].relu()  # another signature (sizes, strides): synchronous once more
+    assert async_mode.counts()["synchronous"] == after_first["synchronous"] + 1
+    for result, expected in ((first, cpu.relu()), (second, cpu.relu()), (other, cpu[:, :3].relu())):
+        torch.testing.assert_close(result.cpu(), expected)
+        assert result.stride() == expected.stride()
+
+
+def test_first_call_of_a_signature_raises_the_cpu_error_at_the_call(asynchronous):
+    x = torch.ones(5, 3, device="openreg")
+    bad = torch.tensor([0, 9], device="openreg")
+    good = torch.tensor([0, 4], device="openreg")
+    with pytest.raises(IndexError, match="index out of range in self"):
+        x.index_select(0, bad)  # first call of this signature: synchronous, the CPU's error
+    x.index_select(0, good)  # learned now
+    x.index_select(0, bad)  # queued: the CPU kernel's error is asynchronous, as on a GPU
+    with pytest.raises(RuntimeError, match="(?s)aten::index_select.*index out of range in self"):
+        torch.openreg.synchronize()

@@ -168,6 +168,7 @@ def test_cross_device_ordering_through_an_event(slow_copies):
 def test_stream_record_event_and_wait_stream_api(device, slow_copies):
     a, b = torch.openreg.Stream(device), torch.openreg.Stream(device, priority=-1)
     d = torch.zeros(N, device=device)
+    a.wait_stream(torch.openreg.current_stream(device))  # d is zeroed on the current stream
     with torch.openreg.stream(a):
         d.copy_(expected().pin_memory(), non_blocking=True)
     e = a.record_event()
@@ -175,7 +176,8 @@ def test_stream_record_event_and_wait_stream_api(device, slow_copies):
     b.wait_stream(a)
     with torch.openreg.stream(b):
         out = d.sum()
-    assert out.item() == expected().sum().item()
+        total = out.item()  # on b: after the sum (the default stream does not wait for b)
+    assert total == expected().sum().item()
     assert e.query()
 
 

@@ -13,6 +13,7 @@ import pytest
 RAW_READ = """
     import ctypes, torch
     x = torch.arange(10.0, device="openreg:1")
+    torch.openreg.synchronize(1)  # the host must wait for the device's kernels (OPENREG_ASYNC)
     print("before", flush=True)
     value = ctypes.c_float.from_address(x.data_ptr() + 4 * 3).value  # host reads device memory
     print("read", value, flush=True)
@@ -21,6 +22,7 @@ RAW_READ = """
 RAW_WRITE = """
     import ctypes, torch
     x = torch.zeros(10, device="openreg:0")
+    torch.openreg.synchronize(0)  # the host must wait for the device's kernels (OPENREG_ASYNC)
     print("before", flush=True)
     ctypes.c_float.from_address(x.data_ptr()).value = 5.0  # host writes device memory
     print("written", x[0].item(), flush=True)

@@ -103,6 +103,7 @@ def test_kernels_of_one_stream_never_overlap_across_threads(device):
     them: concurrent read-modify-write kernels lose no update."""
     x = torch.zeros(1 << 22, device=device)
     s = torch.openreg.Stream(device)
+    s.wait_stream(torch.openreg.current_stream(device))  # x is zeroed on the current stream
 
     def work(_):
         with torch.openreg.stream(s):
@@ -111,6 +112,7 @@ def test_kernels_of_one_stream_never_overlap_across_threads(device):
 
     errors = run_threads(work, 4)
     assert not errors, errors[0]
+    torch.openreg.current_stream(device).wait_stream(s)  # read after the adds
     assert torch.equal(x.cpu(), torch.full((1 << 22,), 100.0))
 
 
