@@ -8,6 +8,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/flat_hash_map.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
@@ -60,6 +61,48 @@ at::Tensor cpu_alias(const at::Tensor& t) {
                           t);
 }
 
+// [docs:start ALIAS_CACHE]
+// The alias of a device tensor outlives the call: each thread keeps, per device tensor it has
+// passed to a kernel, the CPU tensor it built for it, and the next call revalidates it against the
+// device tensor (storage memory and size, sizes, strides, offset, dtype, conjugate and negative
+// bits) and updates it in place instead of building a new one. Building an alias (a TensorImpl and
+// a StorageImpl) and destroying it was most of what a tensor in a list costs (docs/fallback.md).
+//  * Identity: the key is the device TensorImpl's address, and the entry holds a weak reference
+//    to it, which keeps that address from being reused while the entry exists: an entry found
+//    for a live tensor is that tensor's.
+//  * Memory: a cached alias does not own the device memory (its storage borrows the pointer), so
+//    the cache never keeps device memory alive; it is used only while the device tensor, alive
+//    and checked to have that memory, is an argument of the call.
+//  * A kernel that keeps an alias beyond the call (a result viewing an argument goes through the
+//    session as before; any other reference, the arguments left on the stack by a failing kernel
+//    included) is found when the call ends by its reference counts: the alias then takes a
+//    reference to the device storage, as every alias did before, and leaves the cache.
+//  * Threads: the cache is per thread, so two threads using the same device tensor at once (a
+//    weight read by the caller and the autograd device thread) never share an alias. Within a
+//    thread an entry in use (nested kernels) is not handed out twice: the inner call builds a
+//    fresh alias.
+//  * Size: entries of device tensors that died are swept once the cache doubles in size.
+struct HostKernel::AliasCache {
+  struct Entry {
+    explicit Entry(const at::Tensor& t) : device(t.getIntrusivePtr()) {}
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> device;
+    at::Tensor cpu;
+    c10::Storage storage;  // the storage made for `cpu`, borrowing the device memory
+    bool busy = false;     // handed out to a call that has not ended
+  };
+  ska::flat_hash_map<const c10::TensorImpl*, std::unique_ptr<Entry>> entries;
+  size_t sweep_at = 1024;
+
+  void sweep() {
+    for (auto it = entries.begin(); it != entries.end();) {
+      if (!it->second->busy && it->second->device.expired()) it = entries.erase(it);
+      else ++it;
+    }
+    sweep_at = std::max<size_t>(1024, 2 * entries.size());
+  }
+};
+// [docs:end ALIAS_CACHE]
+
 // [docs:start SESSION_INDEX]
 // A session finds what it aliased by address: the alias of a device tensor (each is aliased
 // once), the CPU storage of a device storage (tensors sharing a storage get aliases sharing one),
@@ -79,11 +122,21 @@ struct HostKernel::Session {
     c10::Storage cpu;
     c10::Storage device;
   };
+  // A cached alias handed out to this call, and the device storage it borrows from.
+  struct CheckedOut {
+    const c10::TensorImpl* key;
+    AliasCache::Entry* entry;
+    c10::Storage device;
+  };
   enum Role : uintptr_t { DeviceTensor = 0, CpuTensor = 1, DeviceStorage = 2, CpuStorage = 3 };
   static constexpr size_t kLinear = 8;
 
+  explicit Session(AliasCache* cache) : aliases(cache) {}
+
+  AliasCache* const aliases;  // this thread's
   std::vector<AliasedTensor> tensors;
   std::vector<AliasedStorage> storages;
+  std::vector<CheckedOut> checked_out;
   // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
   ska::flat_hash_map<uintptr_t, uint32_t> index;
   bool indexed = false;
@@ -147,43 +200,134 @@ struct HostKernel::Session {
       index.clear();
       indexed = false;
     }
+    if (!checked_out.empty()) return_cached();
   }
+
+  void return_cached();
 };
 
 namespace {
-thread_local std::vector<std::unique_ptr<HostKernel::Session>> t_sessions;
-thread_local size_t t_depth = 0;  // sessions in use on this thread (nested HostKernels)
+// What a thread keeps for its kernels: one thread_local, so a call pays one TLS lookup.
+struct KernelThread {
+  std::vector<std::unique_ptr<HostKernel::Session>> sessions;
+  size_t depth = 0;  // sessions in use on this thread (nested HostKernels)
+  bool configured = false;
+  std::unique_ptr<HostKernel::AliasCache> aliases = std::make_unique<HostKernel::AliasCache>();
+};
+thread_local KernelThread t_kernel;
+
+// The deleter of memory a cached alias borrows: never called (the DataPtr has no context).
+void borrowed_memory(void*) {}
+
+bool borrows(const c10::StorageImpl* storage) {
+  return storage->data_ptr().get_deleter() == &borrowed_memory;
+}
+
+c10::DataPtr borrow(const c10::StorageImpl* device_storage) {
+  return c10::DataPtr(const_cast<void*>(device_storage->data()), nullptr, &borrowed_memory,
+                      c10::Device(c10::DeviceType::CPU));
+}
 }  // namespace
 
 HostKernel::Session* HostKernel::acquire_session() {
-  if (t_depth == t_sessions.size()) t_sessions.push_back(std::make_unique<Session>());
-  return t_sessions[t_depth++].get();
+  KernelThread& k = t_kernel;
+  if (!k.configured) {
+    k.configured = true;
+    configure_kernel_thread();
+  }
+  if (k.depth == k.sessions.size())
+    k.sessions.push_back(std::make_unique<Session>(k.aliases.get()));
+  return k.sessions[k.depth++].get();
 }
 
 HostKernel::~HostKernel() {
   // Releases the aliases while the stream is still held and device memory still accessible
   // (strict mode), as the members' destruction did before sessions were pooled.
   s_->clear();
-  --t_depth;
+  --t_kernel.depth;
 }
 // [docs:end SESSION_INDEX]
 
+// [docs:start ALIAS_CACHE_RETURN]
+// At the end of the call the session has dropped its references: an alias held only by its cache
+// entry (and its storage only by the entry and the alias) goes back to the cache. Anything else
+// kept it: it then owns a reference to the device storage, like an alias made for one call, and
+// leaves the cache.
+void HostKernel::Session::return_cached() {
+  for (CheckedOut& c : checked_out) {
+    AliasCache::Entry* e = c.entry;
+    e->busy = false;
+    c10::StorageImpl* storage = e->storage.unsafeGetStorageImpl();
+    const bool on_storage = e->cpu.storage().unsafeGetStorageImpl() == storage;
+    const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
+    if (!kept && on_storage && borrows(storage)) continue;
+    if (borrows(storage))
+      storage->set_data_ptr_noswap(data_ptr_owned_by(c.device.unsafeGetStorageImpl(),
+                                                     c10::Device(c10::DeviceType::CPU)));
+    aliases->entries.erase(c.key);
+  }
+  checked_out.clear();
+}
+// [docs:end ALIAS_CACHE_RETURN]
+
 // [docs:start HOST_KERNEL_ALIAS]
 at::Tensor HostKernel::alias(const at::Tensor& t) {
-  int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
+  const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
+  int found = s_->find_tensor(timpl, Session::DeviceTensor);
   if (found >= 0) return s_->tensors[found].cpu;
   const c10::Storage& storage = t.storage();
-  c10::Storage cpu_storage;
-  int st = s_->find_storage(storage.unsafeGetStorageImpl(), Session::DeviceStorage);
+  const c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
+  int st = s_->find_storage(dev_storage, Session::DeviceStorage);
   if (st >= 0) {
-    cpu_storage = s_->storages[st].cpu;
-  } else {
-    cpu_storage = c10::Storage(make_cpu_alias_storage(storage));
-    s_->add_storage(cpu_storage, storage);
+    // Another argument of the call has this storage: an alias over the same CPU storage, so that
+    // the kernel sees the overlap, made for this call only.
+    at::Tensor cpu = make_tensor_like(s_->storages[st].cpu, c10::DispatchKey::CPU, t);
+    s_->add_tensor(cpu, t);
+    return cpu;
   }
-  at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
-  s_->add_tensor(cpu, t);
-  return cpu;
+  // The first tensor of its storage in the call: this thread's cached alias, revalidated.
+  AliasCache& cache = *s_->aliases;
+  auto it = cache.entries.find(timpl);
+  AliasCache::Entry* e = nullptr;
+  if (it == cache.entries.end()) {
+    if (cache.entries.size() >= cache.sweep_at) cache.sweep();
+    auto entry = std::make_unique<AliasCache::Entry>(t);
+    entry->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
+        c10::GetCPUAllocator(), /*resizable=*/true));
+    entry->cpu = make_tensor_like(entry->storage, c10::DispatchKey::CPU, t);
+    e = entry.get();
+    cache.entries.emplace(timpl, std::move(entry));
+  } else if (!it->second->busy) {
+    e = it->second.get();
+    c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
+    if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
+      cs->set_data_ptr_noswap(borrow(dev_storage));
+      cs->set_nbytes(dev_storage->nbytes());
+    }
+    c10::TensorImpl* cimpl = e->cpu.unsafeGetTensorImpl();
+    if (cimpl->dtype() != t.dtype()) {
+      e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
+    } else {
+      if (cimpl->sizes() != t.sizes() || cimpl->strides() != t.strides() ||
+          cimpl->storage_offset() != t.storage_offset())
+        cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+      if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
+      if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
+    }
+  } else {
+    // In use by an outer call on this thread (nested kernels): a fresh alias for this call.
+    c10::Storage cpu_storage(make_cpu_alias_storage(storage));
+    s_->add_storage(cpu_storage, storage);
+    at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
+    s_->add_tensor(cpu, t);
+    return cpu;
+  }
+  e->busy = true;
+  s_->checked_out.push_back({timpl, e, storage});
+  s_->add_storage(e->storage, storage);
+  s_->add_tensor(e->cpu, t);
+  return e->cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]
 

@@ -26,13 +26,7 @@ void configure_kernel_thread();
 class HostKernel {
  public:
   explicit HostKernel(int device)
-      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {
-    thread_local bool configured = false;
-    if (!configured) {
-      configured = true;
-      configure_kernel_thread();
-    }
-  }
+      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {}
   ~HostKernel();
   HostKernel(const HostKernel&) = delete;
   HostKernel& operator=(const HostKernel&) = delete;
@@ -54,6 +48,8 @@ class HostKernel {
   // finds them again: pooled per thread and nesting level, so that their memory is reused from
   // call to call (cpu_kernel.cpp).
   struct Session;
+  // Aliases kept from call to call, per thread and device tensor (cpu_kernel.cpp, ALIAS_CACHE).
+  struct AliasCache;
 
  private:
   static Session* acquire_session();
