@@ -506,3 +506,21 @@ def test_two_threads_running_kernels_on_the_same_tensors(device):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_fresh_results_become_device_tensors_in_place(device):
+    """A fresh result of a CPU kernel becomes the device tensor itself (HostKernel::result): it
+    must then be a device tensor in every respect, as one made by the allocator."""
+    x = torch.randn(8, device=device)
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            like = torch.empty(8, device=device)
+            for y in (x + 1, x.relu(), torch.sort(x)[0], torch.sum(x, 0, keepdim=True)):
+                assert y.device == device and y.untyped_storage().device == device
+                assert torch._C._dispatch_keys(y) == torch._C._dispatch_keys(like)
+                values = y.cpu()
+                torch.openreg.synchronize(device)
+                before = torch.openreg.memory_allocated(device)
+                y.untyped_storage().resize_(1 << 16)  # through the storage's allocator
+                assert torch.openreg.memory_allocated(device) >= before + (1 << 16) - 512
+                assert_close(y.cpu(), values)

@@ -9,6 +9,7 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
+#include <typeinfo>
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
@@ -113,20 +114,25 @@ struct HostKernel::AliasCache {
 // session indexes them in a hash table. Sessions are pooled per thread and nesting level, so the
 // lists and the table keep their memory from call to call instead of growing it again.
 struct HostKernel::Session {
+  // Reference counts are atomic, and a tensor-list operator would pay several per tensor: the
+  // session holds the device tensors (a boxed caller's stack may have held their only
+  // reference), but only borrows what is held anyway while the call runs: the cache's aliases
+  // (held by their entries) and the storages of aliases and of device tensors.
   struct AliasedTensor {
-    at::Tensor cpu;
+    at::Tensor owned;                     // an alias made for this call, or a kernel's result
+    const at::Tensor* cached = nullptr;   // or an alias of the cache (its entry holds it)
     at::Tensor device;
+    const at::Tensor& cpu() const { return cached != nullptr ? *cached : owned; }
   };
-  // Holding both storages keeps their addresses unique for the lifetime of the session.
   struct AliasedStorage {
-    c10::Storage cpu;
-    c10::Storage device;
+    c10::StorageImpl* cpu;
+    c10::StorageImpl* device;
   };
   // A cached alias handed out to this call, and the device storage it borrows from.
   struct CheckedOut {
     const c10::TensorImpl* key;
     AliasCache::Entry* entry;
-    c10::Storage device;
+    c10::StorageImpl* device;
   };
   enum Role : uintptr_t { DeviceTensor = 0, CpuTensor = 1, DeviceStorage = 2, CpuStorage = 3 };
   static constexpr size_t kLinear = 8;
@@ -136,6 +142,8 @@ struct HostKernel::Session {
   AliasCache* const aliases;  // this thread's
   std::vector<AliasedTensor> tensors;
   std::vector<AliasedStorage> storages;
+  // The storages of results, held for the session: their addresses stay unique while it runs.
+  std::vector<c10::Storage> held;
   std::vector<CheckedOut> checked_out;
   // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
   ska::flat_hash_map<uintptr_t, uint32_t> index;
@@ -149,7 +157,7 @@ struct HostKernel::Session {
       return it == index.end() ? -1 : int(it->second);
     }
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu;
+      const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu();
       if (t.unsafeGetTensorImpl() == impl) return int(i);
     }
     return -1;
@@ -161,19 +169,18 @@ struct HostKernel::Session {
       return it == index.end() ? -1 : int(it->second);
     }
     for (size_t i = 0; i < storages.size(); ++i) {
-      const c10::Storage& st = r == DeviceStorage ? storages[i].device : storages[i].cpu;
-      if (st.unsafeGetStorageImpl() == impl) return int(i);
+      if ((r == DeviceStorage ? storages[i].device : storages[i].cpu) == impl) return int(i);
     }
     return -1;
   }
 
   void index_tensor(size_t i) {
     index.emplace(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
-    index.emplace(key(tensors[i].cpu.unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    index.emplace(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
   }
   void index_storage(size_t i) {
-    index.emplace(key(storages[i].device.unsafeGetStorageImpl(), DeviceStorage), uint32_t(i));
-    index.emplace(key(storages[i].cpu.unsafeGetStorageImpl(), CpuStorage), uint32_t(i));
+    index.emplace(key(storages[i].device, DeviceStorage), uint32_t(i));
+    index.emplace(key(storages[i].cpu, CpuStorage), uint32_t(i));
   }
   void maybe_build_index() {
     if (indexed || tensors.size() + storages.size() <= kLinear) return;
@@ -182,25 +189,35 @@ struct HostKernel::Session {
     for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
   }
 
-  void add_tensor(at::Tensor cpu, at::Tensor device) {
-    tensors.push_back({std::move(cpu), std::move(device)});
+  void add_tensor(at::Tensor cpu, const at::Tensor& device) {
+    tensors.push_back({std::move(cpu), nullptr, device});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
-  void add_storage(c10::Storage cpu, c10::Storage device) {
-    storages.push_back({std::move(cpu), std::move(device)});
+  void add_cached_tensor(const at::Tensor& cpu, const at::Tensor& device) {
+    tensors.push_back({at::Tensor(), &cpu, device});
+    if (indexed) index_tensor(tensors.size() - 1);
+    else maybe_build_index();
+  }
+  // Both storages must stay alive until the session ends (see `held`).
+  void add_storage(c10::StorageImpl* cpu, c10::StorageImpl* device) {
+    storages.push_back({cpu, device});
     if (indexed) index_storage(storages.size() - 1);
     else maybe_build_index();
   }
 
   void clear() {
+    // The call's own aliases and the results go first, so that the cached aliases' reference
+    // counts show only who else kept them; the device tensors go last.
+    for (AliasedTensor& a : tensors) a.owned.reset();
+    held.clear();
+    if (!checked_out.empty()) return_cached();
     tensors.clear();
     storages.clear();
     if (indexed) {
       index.clear();
       indexed = false;
     }
-    if (!checked_out.empty()) return_cached();
   }
 
   void return_cached();
@@ -262,8 +279,7 @@ void HostKernel::Session::return_cached() {
     const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
     if (!kept && on_storage && borrows(storage)) continue;
     if (borrows(storage))
-      storage->set_data_ptr_noswap(data_ptr_owned_by(c.device.unsafeGetStorageImpl(),
-                                                     c10::Device(c10::DeviceType::CPU)));
+      storage->set_data_ptr_noswap(data_ptr_owned_by(c.device, c10::Device(c10::DeviceType::CPU)));
     aliases->entries.erase(c.key);
   }
   checked_out.clear();
@@ -274,14 +290,16 @@ void HostKernel::Session::return_cached() {
 at::Tensor HostKernel::alias(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
   int found = s_->find_tensor(timpl, Session::DeviceTensor);
-  if (found >= 0) return s_->tensors[found].cpu;
+  if (found >= 0) return s_->tensors[found].cpu();
   const c10::Storage& storage = t.storage();
-  const c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
+  c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
   int st = s_->find_storage(dev_storage, Session::DeviceStorage);
   if (st >= 0) {
     // Another argument of the call has this storage: an alias over the same CPU storage, so that
     // the kernel sees the overlap, made for this call only.
-    at::Tensor cpu = make_tensor_like(s_->storages[st].cpu, c10::DispatchKey::CPU, t);
+    at::Tensor cpu = make_tensor_like(
+        c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
+        c10::DispatchKey::CPU, t);
     s_->add_tensor(cpu, t);
     return cpu;
   }
@@ -318,15 +336,15 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
   } else {
     // In use by an outer call on this thread (nested kernels): a fresh alias for this call.
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
-    s_->add_storage(cpu_storage, storage);
+    s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage);  // held by the alias
     at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
     s_->add_tensor(cpu, t);
     return cpu;
   }
   e->busy = true;
-  s_->checked_out.push_back({timpl, e, storage});
-  s_->add_storage(e->storage, storage);
-  s_->add_tensor(e->cpu, t);
+  s_->checked_out.push_back({timpl, e, dev_storage});
+  s_->add_storage(e->storage.unsafeGetStorageImpl(), dev_storage);
+  s_->add_cached_tensor(e->cpu, t);
   return e->cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]
@@ -334,7 +352,7 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
 void HostKernel::sync_written(const at::Tensor& t) {
   int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
   if (found < 0) return;
-  sync_written(t, s_->tensors[found].cpu);
+  sync_written(t, s_->tensors[found].cpu());
 }
 
 void HostKernel::sync_written(const at::Tensor& t, const at::Tensor& cpu) {
@@ -374,7 +392,8 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   const c10::Storage& storage = cpu.storage();
   auto* impl = storage.unsafeGetStorageImpl();
   int found = s_->find_storage(impl, Session::CpuStorage);
-  if (found >= 0) return s_->storages[found].device;  // an argument's, or seen before
+  if (found >= 0)  // an argument's, or seen before
+    return c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[found].device));
   c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
   size_t nbytes = impl->nbytes();
   c10::DataPtr ptr;
@@ -394,7 +413,9 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   c10::Storage result(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(ptr), allocator_for_device(device_),
       /*resizable=*/true));
-  s_->add_storage(storage, result);
+  s_->add_storage(impl, result.unsafeGetStorageImpl());
+  s_->held.push_back(storage);
+  s_->held.push_back(result);
   return result;
 }
 
@@ -404,11 +425,42 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
   int found = s_->find_tensor(cpu.unsafeGetTensorImpl(), Session::CpuTensor);
   if (found >= 0) {
     at::Tensor device = s_->tensors[found].device;
-    sync_written(device, s_->tensors[found].cpu);
+    sync_written(device, s_->tensors[found].cpu());
     return device;  // in-place and out= kernels return their argument itself
   }
   return make_device_tensor(device_storage_for(cpu), cpu);
 }
+
+// [docs:start RESULT_IN_PLACE]
+// A fresh result nobody else holds, in memory the kernel got from the device allocator, becomes
+// the device tensor itself: its TensorImpl and StorageImpl change device instead of being
+// replaced by new ones (two allocations and two constructions fewer per result).
+at::Tensor HostKernel::result(at::Tensor&& cpu) {
+  if (!cpu.defined()) return std::move(cpu);
+  c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
+  const c10::Storage& storage = impl->unsafe_storage();
+  // A dense CPU tensor, whatever its autograd, autocast and math-bit keys (which follow the
+  // backend or stay as they are), and nothing else (no Python, sparse, named, zero-tensor keys).
+  static const c10::DispatchKeySet cpu_keys =
+      c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+  if (cpu.use_count() != 1 || cpu.weak_use_count() != 1 || !storage ||
+      storage.use_count() != 1 || !is_device_memory(storage.data_ptr()) ||
+      typeid(*impl) != typeid(c10::TensorImpl) ||
+      (impl->key_set() - cpu_keys) != c10::DispatchKeySet(c10::DispatchKey::CPU) ||
+      impl->autograd_meta() != nullptr || impl->pyobj_slot()->load_pyobj() != nullptr)
+    return result(static_cast<const at::Tensor&>(cpu));  // shared, an argument's, or unusual
+  c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
+  c10::StorageImpl* simpl = storage.unsafeGetStorageImpl();
+  simpl->_mutable_data_ptr_no_checks().unsafe_set_device(dev);
+  simpl->set_allocator(allocator_for_device(device_));
+  impl->set_storage_keep_dtype(storage);  // the tensor's device follows its storage's
+  impl->_change_backend_component_keys(dev);
+  if (impl->is_wrapped_number()) impl->set_wrapped_number(false);
+  return std::move(cpu);
+}
+// [docs:end RESULT_IN_PLACE]
 // [docs:end HOST_KERNEL_RESULT]
 
 // [docs:start KERNEL_THREADS]

@@ -41,8 +41,10 @@ class HostKernel {
   // written in place or an out= argument), carry the change over to the device tensor.
   void sync_written(const at::Tensor& device_tensor);
 
-  // The device tensor for a tensor the kernel returned.
+  // The device tensor for a tensor the kernel returned. Given with std::move (the caller keeps no
+  // other reference), a fresh result in device memory becomes the device tensor in place.
   at::Tensor result(const at::Tensor& cpu_tensor);
+  at::Tensor result(at::Tensor&& cpu_tensor);
 
   // What a session remembers (the tensors it aliased or returned and their storages) and how it
   // finds them again: pooled per thread and nesting level, so that their memory is reused from
