@@ -104,6 +104,68 @@ struct HostKernel::AliasCache {
 };
 // [docs:end ALIAS_CACHE]
 
+// [docs:start ADDRESS_INDEX]
+// Address -> position, for a session's index. Open addressing with linear probing, and cleared in
+// O(1): a slot belongs to the current call only if it carries the call's generation. (A hash
+// table cleared slot by slot cost 5% of `_fused_adam_` on 100 tensors: after a call of 2,000
+// entries each call swept 4,096 slots, however few it used.)
+class AddressIndex {
+ public:
+  int find(uintptr_t key) const {
+    if (slots_.empty()) return -1;
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      const Slot& s = slots_[i];
+      if (s.gen != gen_) return -1;
+      if (s.key == key) return int(s.value);
+    }
+  }
+  // Keeps the first position given for a key.
+  void insert(uintptr_t key, uint32_t value) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      Slot& s = slots_[i];
+      if (s.gen != gen_) {
+        s = {key, value, gen_};
+        ++size_;
+        return;
+      }
+      if (s.key == key) return;
+    }
+  }
+  void clear() {
+    size_ = 0;
+    if (++gen_ == 0) {  // wrapped around: forget every slot for real, once in 4 billion calls
+      for (Slot& s : slots_) s.gen = 0;
+      gen_ = 1;
+    }
+  }
+
+ private:
+  struct Slot {
+    uintptr_t key;
+    uint32_t value;
+    uint32_t gen;  // 0: never used
+  };
+  static size_t hash(uintptr_t key) {
+    uint64_t h = key * 0x9E3779B97F4A7C15ull;
+    return size_t(h ^ (h >> 29));
+  }
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(std::max<size_t>(64, 2 * old.size()), Slot{0, 0, 0});
+    size_ = 0;
+    for (const Slot& s : old)
+      if (s.gen == gen_) insert(s.key, s.value);
+  }
+
+  std::vector<Slot> slots_;  // a power of two
+  size_t size_ = 0;
+  uint32_t gen_ = 1;
+};
+// [docs:end ADDRESS_INDEX]
+
 // [docs:start SESSION_INDEX]
 // A session finds what it aliased by address: the alias of a device tensor (each is aliased
 // once), the CPU storage of a device storage (tensors sharing a storage get aliases sharing one),
@@ -146,16 +208,13 @@ struct HostKernel::Session {
   std::vector<c10::Storage> held;
   std::vector<CheckedOut> checked_out;
   // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
-  ska::flat_hash_map<uintptr_t, uint32_t> index;
+  AddressIndex index;
   bool indexed = false;
 
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
   int find_tensor(const c10::TensorImpl* impl, Role r) const {
-    if (indexed) {
-      auto it = index.find(key(impl, r));
-      return it == index.end() ? -1 : int(it->second);
-    }
+    if (indexed) return index.find(key(impl, r));
     for (size_t i = 0; i < tensors.size(); ++i) {
       const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu();
       if (t.unsafeGetTensorImpl() == impl) return int(i);
@@ -164,10 +223,7 @@ struct HostKernel::Session {
   }
 
   int find_storage(const c10::StorageImpl* impl, Role r) const {
-    if (indexed) {
-      auto it = index.find(key(impl, r));
-      return it == index.end() ? -1 : int(it->second);
-    }
+    if (indexed) return index.find(key(impl, r));
     for (size_t i = 0; i < storages.size(); ++i) {
       if ((r == DeviceStorage ? storages[i].device : storages[i].cpu) == impl) return int(i);
     }
@@ -175,12 +231,12 @@ struct HostKernel::Session {
   }
 
   void index_tensor(size_t i) {
-    index.emplace(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
-    index.emplace(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
+    index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
   }
   void index_storage(size_t i) {
-    index.emplace(key(storages[i].device, DeviceStorage), uint32_t(i));
-    index.emplace(key(storages[i].cpu, CpuStorage), uint32_t(i));
+    index.insert(key(storages[i].device, DeviceStorage), uint32_t(i));
+    index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
   }
   void maybe_build_index() {
     if (indexed || tensors.size() + storages.size() <= kLinear) return;
