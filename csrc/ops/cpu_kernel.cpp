@@ -210,11 +210,18 @@ struct HostKernel::Session {
   // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
   AddressIndex index;
   bool indexed = false;
+  // The keys of the CPU side (aliases, their storages) are looked up only to turn results back
+  // into device tensors: they are indexed on the first such lookup, so in-place tensor-list
+  // operators (foreach, fused optimizers), which return nothing, index half as many keys.
+  bool cpu_indexed = false;
 
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
-  int find_tensor(const c10::TensorImpl* impl, Role r) const {
-    if (indexed) return index.find(key(impl, r));
+  int find_tensor(const c10::TensorImpl* impl, Role r) {
+    if (indexed) {
+      if (r == CpuTensor) index_cpu_side();
+      return index.find(key(impl, r));
+    }
     for (size_t i = 0; i < tensors.size(); ++i) {
       const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu();
       if (t.unsafeGetTensorImpl() == impl) return int(i);
@@ -222,8 +229,11 @@ struct HostKernel::Session {
     return -1;
   }
 
-  int find_storage(const c10::StorageImpl* impl, Role r) const {
-    if (indexed) return index.find(key(impl, r));
+  int find_storage(const c10::StorageImpl* impl, Role r) {
+    if (indexed) {
+      if (r == CpuStorage) index_cpu_side();
+      return index.find(key(impl, r));
+    }
     for (size_t i = 0; i < storages.size(); ++i) {
       if ((r == DeviceStorage ? storages[i].device : storages[i].cpu) == impl) return int(i);
     }
@@ -232,11 +242,20 @@ struct HostKernel::Session {
 
   void index_tensor(size_t i) {
     index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
-    index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    if (cpu_indexed)
+      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
   }
   void index_storage(size_t i) {
     index.insert(key(storages[i].device, DeviceStorage), uint32_t(i));
-    index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
+    if (cpu_indexed) index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
+  }
+  void index_cpu_side() {
+    if (cpu_indexed) return;
+    cpu_indexed = true;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    for (size_t i = 0; i < storages.size(); ++i)
+      index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
   }
   void maybe_build_index() {
     if (indexed || tensors.size() + storages.size() <= kLinear) return;
@@ -273,6 +292,7 @@ struct HostKernel::Session {
     if (indexed) {
       index.clear();
       indexed = false;
+      cpu_indexed = false;
     }
   }
 
