@@ -381,3 +381,146 @@ def test_memory_allocated_returns_to_start_after_fallback_results(device):
     del x, results
     torch.openreg.synchronize(device)
     assert torch.openreg.memory_allocated(device) == start
+
+
+# ---- aliases kept from call to call (csrc/ops/cpu_kernel.cpp, ALIAS_CACHE) ----
+# The fallback keeps, per thread, the CPU alias it built for a device tensor and revalidates it on
+# the next call. Every way of changing a tensor in place between two calls must be seen.
+
+_METADATA_CHANGES = {
+    "resize_ (grows the storage)": lambda t: t.resize_(40)[12:].fill_(1.0),
+    "resize_ (shrinks the shape)": lambda t: t.resize_(2, 3),
+    "set_ to another storage": lambda t: t.set_(torch.arange(100.0, 112.0).to(t.device)),
+    "set_ with offset and strides": lambda t: t.set_(t.untyped_storage(), 3, (3, 2), (1, 4)),
+    "as_strided_": lambda t: t.as_strided_((2, 2), (3, 1), 5),
+    "t_ after view": lambda t: t.resize_(3, 4).t_(),
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    ".data of another dtype": lambda t: setattr(t, "data", torch.arange(5, dtype=torch.int64).to(t.device)),
+    "storage resize_(0) and back": lambda t: (t.untyped_storage().resize_(0),
+                                              t.untyped_storage().resize_(96), t.fill_(3.0)),
+    "out= resize": lambda t: torch.add(torch.ones(7, device=t.device), 1, out=t),
+    "neg bit": lambda t: torch._C._set_neg(t, True),
+}
+
+
+@pytest.mark.parametrize("change", list(_METADATA_CHANGES))
+def test_cached_alias_sees_changes_between_calls(device, change):
+    results = {}
+    for dev in ("cpu", device):
+        t = torch.arange(12.0).to(dev)
+        before = (t * 2).cpu()  # the fallback now holds an alias of t
+        _METADATA_CHANGES[change](t)
+        results[dev] = (before, (t * 2).cpu(), t.cpu(), t.shape, t.stride(), t.is_neg())
+    for c, d in zip(results["cpu"], results[device]):
+        if isinstance(c, torch.Tensor):
+            assert_close(d, c)
+        else:
+            assert d == c
+
+
+def test_cached_alias_sees_the_conj_bit_set_in_place(device):
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    d = z.to(device)
+    assert_close((d * 2).cpu(), z * 2)
+    torch._C._set_conj(d, True)
+    torch._C._set_conj(z, True)
+    assert_close((d * 2).cpu(), z * 2)
+    assert_close(d.cpu(), z.resolve_conj())
+
+
+def test_cached_aliases_of_overlapping_views_still_see_the_overlap(device):
+    base = torch.arange(10.0, device=device)
+    a, b, a2 = base[:6], base[2:8], base[:6]
+    (a + 1, b + 1, a2 + 1)  # each view gets an alias of its own, kept by the fallback
+    with pytest.raises(RuntimeError, match="unsupported operation: some elements of the input "
+                       "tensor and the written-to tensor refer to a single memory location"):
+        torch.add(a, 1, out=b)
+    torch.add(a2, 1, out=a)  # full overlap is allowed, as on the CPU
+    assert base.tolist() == [1.0, 2, 3, 4, 5, 6, 6, 7, 8, 9]
+
+
+def test_cached_aliases_keep_no_device_memory_alive(device):
+    torch.openreg.synchronize(device)
+    start = torch.openreg.memory_allocated(device)
+    x = torch.randn(1 << 16, device=device)
+    for _ in range(3):
+        (x * 2).sum()
+    torch._foreach_add_([x], [x])
+    del x
+    assert torch.openreg.memory_allocated(device) == start
+    # the tensor lives on, its old storage is replaced: that memory is freed now too
+    y = torch.randn(1 << 16, device=device)
+    (y * 2).sum()
+    y.set_(torch.empty(0, device=device).untyped_storage())
+    assert torch.openreg.memory_allocated(device) == start
+    del y
+    assert torch.openreg.memory_allocated(device) == start
+
+
+def test_an_alias_a_kernel_keeps_owns_its_memory(device):
+    """A CPU kernel that keeps its argument beyond the call: the alias it kept must hold the
+    device memory, not borrow memory the allocator hands out again."""
+    kept = []
+
+    @torch.library.custom_op("openreg_test::keep_argument", mutates_args=(), device_types="cpu")
+    def keep_argument(x: torch.Tensor) -> torch.Tensor:
+        kept.append(x)
+        return x.sum()
+
+    torch.openreg.synchronize(device)
+    start = torch.openreg.memory_allocated(device)
+    x = torch.arange(1024.0, device=device)
+    (x + 1).sum()  # x's alias is cached
+    keep_argument(x)
+    (x + 1).sum()  # and revalidated: not the one the kernel kept
+    torch.openreg.synchronize(device)
+    held = torch.openreg.memory_allocated(device)
+    del x
+    assert torch.openreg.memory_allocated(device) == held  # the kept alias holds the memory
+    y = torch.full((1024,), -1.0, device=device)  # would reuse the block if it were free
+    assert kept[0].device.type == "cpu"
+    assert kept[0].tolist() == [float(i) for i in range(1024)]
+    del kept[:], y
+    assert torch.openreg.memory_allocated(device) == start
+
+
+def test_two_threads_running_kernels_on_the_same_tensors(device):
+    import threading
+    w = torch.arange(64.0, device=device).reshape(8, 8)
+    errors = []
+
+    def work(k):
+        try:
+            acc = torch.zeros(8, 8, device=device)
+            for i in range(200):
+                acc = acc + w * k
+                if i % 50 == 0:  # out= resizes of a tensor of this thread's own
+                    torch.mul(w, k, out=torch.empty(0, device=device))
+            assert_close(acc.cpu(), torch.arange(64.0).reshape(8, 8) * k * 200)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_fresh_results_become_device_tensors_in_place(device):
+    """A fresh result of a CPU kernel becomes the device tensor itself (HostKernel::result): it
+    must then be a device tensor in every respect, as one made by the allocator."""
+    x = torch.randn(8, device=device)
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            like = torch.empty(8, device=device)
+            for y in (x + 1, x.relu(), torch.sort(x)[0], torch.sum(x, 0, keepdim=True)):
+                assert y.device == device and y.untyped_storage().device == device
+                assert torch._C._dispatch_keys(y) == torch._C._dispatch_keys(like)
+                values = y.cpu()
+                torch.openreg.synchronize(device)
+                before = torch.openreg.memory_allocated(device)
+                y.untyped_storage().resize_(1 << 16)  # through the storage's allocator
+                assert torch.openreg.memory_allocated(device) >= before + (1 << 16) - 512
+                assert_close(y.cpu(), values)

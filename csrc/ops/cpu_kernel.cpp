@@ -8,6 +8,8 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/flat_hash_map.h>
 
+#include <algorithm>
+#include <typeinfo>
 #include <cstdlib>
 #include <cstring>
 #include <dlfcn.h>
@@ -60,6 +62,110 @@ at::Tensor cpu_alias(const at::Tensor& t) {
                           t);
 }
 
+// [docs:start ALIAS_CACHE]
+// The alias of a device tensor outlives the call: each thread keeps, per device tensor it has
+// passed to a kernel, the CPU tensor it built for it, and the next call revalidates it against the
+// device tensor (storage memory and size, sizes, strides, offset, dtype, conjugate and negative
+// bits) and updates it in place instead of building a new one. Building an alias (a TensorImpl and
+// a StorageImpl) and destroying it was most of what a tensor in a list costs (docs/fallback.md).
+//  * Identity: the key is the device TensorImpl's address, and the entry holds a weak reference
+//    to it, which keeps that address from being reused while the entry exists: an entry found
+//    for a live tensor is that tensor's.
+//  * Memory: a cached alias does not own the device memory (its storage borrows the pointer), so
+//    the cache never keeps device memory alive; it is used only while the device tensor, alive
+//    and checked to have that memory, is an argument of the call.
+//  * A kernel that keeps an alias beyond the call (a result viewing an argument goes through the
+//    session as before; any other reference, the arguments left on the stack by a failing kernel
+//    included) is found when the call ends by its reference counts: the alias then takes a
+//    reference to the device storage, as every alias did before, and leaves the cache.
+//  * Threads: the cache is per thread, so two threads using the same device tensor at once (a
+//    weight read by the caller and the autograd device thread) never share an alias. Within a
+//    thread an entry in use (nested kernels) is not handed out twice: the inner call builds a
+//    fresh alias.
+//  * Size: entries of device tensors that died are swept once the cache doubles in size.
+struct HostKernel::AliasCache {
+  struct Entry {
+    explicit Entry(const at::Tensor& t) : device(t.getIntrusivePtr()) {}
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> device;
+    at::Tensor cpu;
+    c10::Storage storage;  // the storage made for `cpu`, borrowing the device memory
+    bool busy = false;     // handed out to a call that has not ended
+  };
+  ska::flat_hash_map<const c10::TensorImpl*, std::unique_ptr<Entry>> entries;
+  size_t sweep_at = 1024;
+
+  void sweep() {
+    for (auto it = entries.begin(); it != entries.end();) {
+      if (!it->second->busy && it->second->device.expired()) it = entries.erase(it);
+      else ++it;
+    }
+    sweep_at = std::max<size_t>(1024, 2 * entries.size());
+  }
+};
+// [docs:end ALIAS_CACHE]
+
+// [docs:start ADDRESS_INDEX]
+// Address -> position, for a session's index. Open addressing with linear probing, and cleared in
+// O(1): a slot belongs to the current call only if it carries the call's generation. (A hash
+// table cleared slot by slot cost 5% of `_fused_adam_` on 100 tensors: after a call of 2,000
+// entries each call swept 4,096 slots, however few it used.)
+class AddressIndex {
+ public:
+  int find(uintptr_t key) const {
+    if (slots_.empty()) return -1;
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      const Slot& s = slots_[i];
+      if (s.gen != gen_) return -1;
+      if (s.key == key) return int(s.value);
+    }
+  }
+  // Keeps the first position given for a key.
+  void insert(uintptr_t key, uint32_t value) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      Slot& s = slots_[i];
+      if (s.gen != gen_) {
+        s = {key, value, gen_};
+        ++size_;
+        return;
+      }
+      if (s.key == key) return;
+    }
+  }
+  void clear() {
+    size_ = 0;
+    if (++gen_ == 0) {  // wrapped around: forget every slot for real, once in 4 billion calls
+      for (Slot& s : slots_) s.gen = 0;
+      gen_ = 1;
+    }
+  }
+
+ private:
+  struct Slot {
+    uintptr_t key;
+    uint32_t value;
+    uint32_t gen;  // 0: never used
+  };
+  static size_t hash(uintptr_t key) {
+    uint64_t h = key * 0x9E3779B97F4A7C15ull;
+    return size_t(h ^ (h >> 29));
+  }
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(std::max<size_t>(64, 2 * old.size()), Slot{0, 0, 0});
+    size_ = 0;
+    for (const Slot& s : old)
+      if (s.gen == gen_) insert(s.key, s.value);
+  }
+
+  std::vector<Slot> slots_;  // a power of two
+  size_t size_ = 0;
+  uint32_t gen_ = 1;
+};
+// [docs:end ADDRESS_INDEX]
+
 // [docs:start SESSION_INDEX]
 // A session finds what it aliased by address: the alias of a device tensor (each is aliased
 // once), the CPU storage of a device storage (tensors sharing a storage get aliases sharing one),
@@ -70,57 +176,86 @@ at::Tensor cpu_alias(const at::Tensor& t) {
 // session indexes them in a hash table. Sessions are pooled per thread and nesting level, so the
 // lists and the table keep their memory from call to call instead of growing it again.
 struct HostKernel::Session {
+  // Reference counts are atomic, and a tensor-list operator would pay several per tensor: the
+  // session holds the device tensors (a boxed caller's stack may have held their only
+  // reference), but only borrows what is held anyway while the call runs: the cache's aliases
+  // (held by their entries) and the storages of aliases and of device tensors.
   struct AliasedTensor {
-    at::Tensor cpu;
+    at::Tensor owned;                     // an alias made for this call, or a kernel's result
+    const at::Tensor* cached = nullptr;   // or an alias of the cache (its entry holds it)
     at::Tensor device;
+    const at::Tensor& cpu() const { return cached != nullptr ? *cached : owned; }
   };
-  // Holding both storages keeps their addresses unique for the lifetime of the session.
   struct AliasedStorage {
-    c10::Storage cpu;
-    c10::Storage device;
+    c10::StorageImpl* cpu;
+    c10::StorageImpl* device;
+  };
+  // A cached alias handed out to this call, and the device storage it borrows from.
+  struct CheckedOut {
+    const c10::TensorImpl* key;
+    AliasCache::Entry* entry;
+    c10::StorageImpl* device;
   };
   enum Role : uintptr_t { DeviceTensor = 0, CpuTensor = 1, DeviceStorage = 2, CpuStorage = 3 };
   static constexpr size_t kLinear = 8;
 
+  explicit Session(AliasCache* cache) : aliases(cache) {}
+
+  AliasCache* const aliases;  // this thread's
   std::vector<AliasedTensor> tensors;
   std::vector<AliasedStorage> storages;
+  // The storages of results, held for the session: their addresses stay unique while it runs.
+  std::vector<c10::Storage> held;
+  std::vector<CheckedOut> checked_out;
   // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
-  ska::flat_hash_map<uintptr_t, uint32_t> index;
+  AddressIndex index;
   bool indexed = false;
+  // The keys of the CPU side (aliases, their storages) are looked up only to turn results back
+  // into device tensors: they are indexed on the first such lookup, so in-place tensor-list
+  // operators (foreach, fused optimizers), which return nothing, index half as many keys.
+  bool cpu_indexed = false;
 
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
-  int find_tensor(const c10::TensorImpl* impl, Role r) const {
+  int find_tensor(const c10::TensorImpl* impl, Role r) {
     if (indexed) {
-      auto it = index.find(key(impl, r));
-      return it == index.end() ? -1 : int(it->second);
+      if (r == CpuTensor) index_cpu_side();
+      return index.find(key(impl, r));
     }
     for (size_t i = 0; i < tensors.size(); ++i) {
-      const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu;
+      const at::Tensor& t = r == DeviceTensor ? tensors[i].device : tensors[i].cpu();
       if (t.unsafeGetTensorImpl() == impl) return int(i);
     }
     return -1;
   }
 
-  int find_storage(const c10::StorageImpl* impl, Role r) const {
+  int find_storage(const c10::StorageImpl* impl, Role r) {
     if (indexed) {
-      auto it = index.find(key(impl, r));
-      return it == index.end() ? -1 : int(it->second);
+      if (r == CpuStorage) index_cpu_side();
+      return index.find(key(impl, r));
     }
     for (size_t i = 0; i < storages.size(); ++i) {
-      const c10::Storage& st = r == DeviceStorage ? storages[i].device : storages[i].cpu;
-      if (st.unsafeGetStorageImpl() == impl) return int(i);
+      if ((r == DeviceStorage ? storages[i].device : storages[i].cpu) == impl) return int(i);
     }
     return -1;
   }
 
   void index_tensor(size_t i) {
-    index.emplace(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
-    index.emplace(key(tensors[i].cpu.unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
+    if (cpu_indexed)
+      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
   }
   void index_storage(size_t i) {
-    index.emplace(key(storages[i].device.unsafeGetStorageImpl(), DeviceStorage), uint32_t(i));
-    index.emplace(key(storages[i].cpu.unsafeGetStorageImpl(), CpuStorage), uint32_t(i));
+    index.insert(key(storages[i].device, DeviceStorage), uint32_t(i));
+    if (cpu_indexed) index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
+  }
+  void index_cpu_side() {
+    if (cpu_indexed) return;
+    cpu_indexed = true;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+    for (size_t i = 0; i < storages.size(); ++i)
+      index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
   }
   void maybe_build_index() {
     if (indexed || tensors.size() + storages.size() <= kLinear) return;
@@ -129,68 +264,171 @@ struct HostKernel::Session {
     for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
   }
 
-  void add_tensor(at::Tensor cpu, at::Tensor device) {
-    tensors.push_back({std::move(cpu), std::move(device)});
+  void add_tensor(at::Tensor cpu, const at::Tensor& device) {
+    tensors.push_back({std::move(cpu), nullptr, device});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
-  void add_storage(c10::Storage cpu, c10::Storage device) {
-    storages.push_back({std::move(cpu), std::move(device)});
+  void add_cached_tensor(const at::Tensor& cpu, const at::Tensor& device) {
+    tensors.push_back({at::Tensor(), &cpu, device});
+    if (indexed) index_tensor(tensors.size() - 1);
+    else maybe_build_index();
+  }
+  // Both storages must stay alive until the session ends (see `held`).
+  void add_storage(c10::StorageImpl* cpu, c10::StorageImpl* device) {
+    storages.push_back({cpu, device});
     if (indexed) index_storage(storages.size() - 1);
     else maybe_build_index();
   }
 
   void clear() {
+    // The call's own aliases and the results go first, so that the cached aliases' reference
+    // counts show only who else kept them; the device tensors go last.
+    for (AliasedTensor& a : tensors) a.owned.reset();
+    held.clear();
+    if (!checked_out.empty()) return_cached();
     tensors.clear();
     storages.clear();
     if (indexed) {
       index.clear();
       indexed = false;
+      cpu_indexed = false;
     }
   }
+
+  void return_cached();
 };
 
 namespace {
-thread_local std::vector<std::unique_ptr<HostKernel::Session>> t_sessions;
-thread_local size_t t_depth = 0;  // sessions in use on this thread (nested HostKernels)
+// What a thread keeps for its kernels: one thread_local, so a call pays one TLS lookup.
+struct KernelThread {
+  std::vector<std::unique_ptr<HostKernel::Session>> sessions;
+  size_t depth = 0;  // sessions in use on this thread (nested HostKernels)
+  bool configured = false;
+  std::unique_ptr<HostKernel::AliasCache> aliases = std::make_unique<HostKernel::AliasCache>();
+};
+thread_local KernelThread t_kernel;
+
+// The deleter of memory a cached alias borrows: never called (the DataPtr has no context).
+void borrowed_memory(void*) {}
+
+bool borrows(const c10::StorageImpl* storage) {
+  return storage->data_ptr().get_deleter() == &borrowed_memory;
+}
+
+c10::DataPtr borrow(const c10::StorageImpl* device_storage) {
+  return c10::DataPtr(const_cast<void*>(device_storage->data()), nullptr, &borrowed_memory,
+                      c10::Device(c10::DeviceType::CPU));
+}
 }  // namespace
 
 HostKernel::Session* HostKernel::acquire_session() {
-  if (t_depth == t_sessions.size()) t_sessions.push_back(std::make_unique<Session>());
-  return t_sessions[t_depth++].get();
+  KernelThread& k = t_kernel;
+  if (!k.configured) {
+    k.configured = true;
+    configure_kernel_thread();
+  }
+  if (k.depth == k.sessions.size())
+    k.sessions.push_back(std::make_unique<Session>(k.aliases.get()));
+  return k.sessions[k.depth++].get();
 }
 
 HostKernel::~HostKernel() {
   // Releases the aliases while the stream is still held and device memory still accessible
   // (strict mode), as the members' destruction did before sessions were pooled.
   s_->clear();
-  --t_depth;
+  --t_kernel.depth;
 }
 // [docs:end SESSION_INDEX]
 
+// [docs:start ALIAS_CACHE_RETURN]
+// At the end of the call the session has dropped its references: an alias held only by its cache
+// entry (and its storage only by the entry and the alias) goes back to the cache. Anything else
+// kept it: it then owns a reference to the device storage, like an alias made for one call, and
+// leaves the cache.
+void HostKernel::Session::return_cached() {
+  for (CheckedOut& c : checked_out) {
+    AliasCache::Entry* e = c.entry;
+    e->busy = false;
+    c10::StorageImpl* storage = e->storage.unsafeGetStorageImpl();
+    const bool on_storage = e->cpu.storage().unsafeGetStorageImpl() == storage;
+    const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
+    if (!kept && on_storage && borrows(storage)) continue;
+    if (borrows(storage))
+      storage->set_data_ptr_noswap(data_ptr_owned_by(c.device, c10::Device(c10::DeviceType::CPU)));
+    aliases->entries.erase(c.key);
+  }
+  checked_out.clear();
+}
+// [docs:end ALIAS_CACHE_RETURN]
+
 // [docs:start HOST_KERNEL_ALIAS]
 at::Tensor HostKernel::alias(const at::Tensor& t) {
-  int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
-  if (found >= 0) return s_->tensors[found].cpu;
+  const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
+  int found = s_->find_tensor(timpl, Session::DeviceTensor);
+  if (found >= 0) return s_->tensors[found].cpu();
   const c10::Storage& storage = t.storage();
-  c10::Storage cpu_storage;
-  int st = s_->find_storage(storage.unsafeGetStorageImpl(), Session::DeviceStorage);
+  c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
+  int st = s_->find_storage(dev_storage, Session::DeviceStorage);
   if (st >= 0) {
-    cpu_storage = s_->storages[st].cpu;
-  } else {
-    cpu_storage = c10::Storage(make_cpu_alias_storage(storage));
-    s_->add_storage(cpu_storage, storage);
+    // Another argument of the call has this storage: an alias over the same CPU storage, so that
+    // the kernel sees the overlap, made for this call only.
+    at::Tensor cpu = make_tensor_like(
+        c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
+        c10::DispatchKey::CPU, t);
+    s_->add_tensor(cpu, t);
+    return cpu;
   }
-  at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
-  s_->add_tensor(cpu, t);
-  return cpu;
+  // The first tensor of its storage in the call: this thread's cached alias, revalidated.
+  AliasCache& cache = *s_->aliases;
+  auto it = cache.entries.find(timpl);
+  AliasCache::Entry* e = nullptr;
+  if (it == cache.entries.end()) {
+    if (cache.entries.size() >= cache.sweep_at) cache.sweep();
+    auto entry = std::make_unique<AliasCache::Entry>(t);
+    entry->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
+        c10::GetCPUAllocator(), /*resizable=*/true));
+    entry->cpu = make_tensor_like(entry->storage, c10::DispatchKey::CPU, t);
+    e = entry.get();
+    cache.entries.emplace(timpl, std::move(entry));
+  } else if (!it->second->busy) {
+    e = it->second.get();
+    c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
+    if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
+      cs->set_data_ptr_noswap(borrow(dev_storage));
+      cs->set_nbytes(dev_storage->nbytes());
+    }
+    c10::TensorImpl* cimpl = e->cpu.unsafeGetTensorImpl();
+    if (cimpl->dtype() != t.dtype()) {
+      e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
+    } else {
+      if (cimpl->sizes() != t.sizes() || cimpl->strides() != t.strides() ||
+          cimpl->storage_offset() != t.storage_offset())
+        cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+      if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
+      if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
+    }
+  } else {
+    // In use by an outer call on this thread (nested kernels): a fresh alias for this call.
+    c10::Storage cpu_storage(make_cpu_alias_storage(storage));
+    s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage);  // held by the alias
+    at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
+    s_->add_tensor(cpu, t);
+    return cpu;
+  }
+  e->busy = true;
+  s_->checked_out.push_back({timpl, e, dev_storage});
+  s_->add_storage(e->storage.unsafeGetStorageImpl(), dev_storage);
+  s_->add_cached_tensor(e->cpu, t);
+  return e->cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]
 
 void HostKernel::sync_written(const at::Tensor& t) {
   int found = s_->find_tensor(t.unsafeGetTensorImpl(), Session::DeviceTensor);
   if (found < 0) return;
-  sync_written(t, s_->tensors[found].cpu);
+  sync_written(t, s_->tensors[found].cpu());
 }
 
 void HostKernel::sync_written(const at::Tensor& t, const at::Tensor& cpu) {
@@ -230,7 +468,8 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   const c10::Storage& storage = cpu.storage();
   auto* impl = storage.unsafeGetStorageImpl();
   int found = s_->find_storage(impl, Session::CpuStorage);
-  if (found >= 0) return s_->storages[found].device;  // an argument's, or seen before
+  if (found >= 0)  // an argument's, or seen before
+    return c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[found].device));
   c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
   size_t nbytes = impl->nbytes();
   c10::DataPtr ptr;
@@ -250,7 +489,9 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
   c10::Storage result(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), nbytes, std::move(ptr), allocator_for_device(device_),
       /*resizable=*/true));
-  s_->add_storage(storage, result);
+  s_->add_storage(impl, result.unsafeGetStorageImpl());
+  s_->held.push_back(storage);
+  s_->held.push_back(result);
   return result;
 }
 
@@ -260,11 +501,42 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
   int found = s_->find_tensor(cpu.unsafeGetTensorImpl(), Session::CpuTensor);
   if (found >= 0) {
     at::Tensor device = s_->tensors[found].device;
-    sync_written(device, s_->tensors[found].cpu);
+    sync_written(device, s_->tensors[found].cpu());
     return device;  // in-place and out= kernels return their argument itself
   }
   return make_device_tensor(device_storage_for(cpu), cpu);
 }
+
+// [docs:start RESULT_IN_PLACE]
+// A fresh result nobody else holds, in memory the kernel got from the device allocator, becomes
+// the device tensor itself: its TensorImpl and StorageImpl change device instead of being
+// replaced by new ones (two allocations and two constructions fewer per result).
+at::Tensor HostKernel::result(at::Tensor&& cpu) {
+  if (!cpu.defined()) return std::move(cpu);
+  c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
+  const c10::Storage& storage = impl->unsafe_storage();
+  // A dense CPU tensor, whatever its autograd, autocast and math-bit keys (which follow the
+  // backend or stay as they are), and nothing else (no Python, sparse, named, zero-tensor keys).
+  static const c10::DispatchKeySet cpu_keys =
+      c10::getAutogradRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::getAutocastRelatedKeySetFromBackend(c10::BackendComponent::CPUBit) |
+      c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+  if (cpu.use_count() != 1 || cpu.weak_use_count() != 1 || !storage ||
+      storage.use_count() != 1 || !is_device_memory(storage.data_ptr()) ||
+      typeid(*impl) != typeid(c10::TensorImpl) ||
+      (impl->key_set() - cpu_keys) != c10::DispatchKeySet(c10::DispatchKey::CPU) ||
+      impl->autograd_meta() != nullptr || impl->pyobj_slot()->load_pyobj() != nullptr)
+    return result(static_cast<const at::Tensor&>(cpu));  // shared, an argument's, or unusual
+  c10::Device dev(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_));
+  c10::StorageImpl* simpl = storage.unsafeGetStorageImpl();
+  simpl->_mutable_data_ptr_no_checks().unsafe_set_device(dev);
+  simpl->set_allocator(allocator_for_device(device_));
+  impl->set_storage_keep_dtype(storage);  // the tensor's device follows its storage's
+  impl->_change_backend_component_keys(dev);
+  if (impl->is_wrapped_number()) impl->set_wrapped_number(false);
+  return std::move(cpu);
+}
+// [docs:end RESULT_IN_PLACE]
 // [docs:end HOST_KERNEL_RESULT]
 
 // [docs:start KERNEL_THREADS]

@@ -27,13 +27,7 @@ void configure_kernel_thread();
 class HostKernel {
  public:
   explicit HostKernel(int device)
-      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {
-    thread_local bool configured = false;
-    if (!configured) {
-      configured = true;
-      configure_kernel_thread();
-    }
-  }
+      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {}
   ~HostKernel();
   HostKernel(const HostKernel&) = delete;
   HostKernel& operator=(const HostKernel&) = delete;
@@ -48,13 +42,17 @@ class HostKernel {
   // written in place or an out= argument), carry the change over to the device tensor.
   void sync_written(const at::Tensor& device_tensor);
 
-  // The device tensor for a tensor the kernel returned.
+  // The device tensor for a tensor the kernel returned. Given with std::move (the caller keeps no
+  // other reference), a fresh result in device memory becomes the device tensor in place.
   at::Tensor result(const at::Tensor& cpu_tensor);
+  at::Tensor result(at::Tensor&& cpu_tensor);
 
   // What a session remembers (the tensors it aliased or returned and their storages) and how it
   // finds them again: pooled per thread and nesting level, so that their memory is reused from
   // call to call (cpu_kernel.cpp).
   struct Session;
+  // Aliases kept from call to call, per thread and device tensor (cpu_kernel.cpp, ALIAS_CACHE).
+  struct AliasCache;
 
  private:
   static Session* acquire_session();

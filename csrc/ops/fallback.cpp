@@ -17,12 +17,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 #include <torch/library.h>
 
 #include <cstdlib>
 #include <memory>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 namespace openreg {
@@ -217,25 +217,28 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   // Returns: CPU tensors back to device tensors.
   const size_t num_returns = op.schema().returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    // Each result is moved out of the stack, so that a fresh one can become the device tensor
+    // in place (HostKernel::result).
     c10::IValue& v = (*stack)[i];
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
       if (t.defined() && t.is_cpu()) {
         check_strided_result(t, op);
         check_representable_dtype(t, op);
-        v = kernel.result(t);
+        v = kernel.result(std::move(v).toTensor());
       }
     } else if (v.isTensorList()) {
-      auto list = v.toTensorList();
+      auto list = std::move(v).toTensorList();
       c10::List<at::Tensor> out;
       out.reserve(list.size());
-      for (const at::Tensor& t : list) {
+      for (size_t j = 0; j < list.size(); ++j) {
+        at::Tensor t = list.extract(j);
         if (t.defined() && t.is_cpu()) {
           check_strided_result(t, op);
           check_representable_dtype(t, op);
-          out.push_back(kernel.result(t));
+          out.push_back(kernel.result(std::move(t)));
         } else {
-          out.push_back(t);
+          out.push_back(std::move(t));
         }
       }
       v = std::move(out);
@@ -246,10 +249,12 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 }  // namespace
 
 const ArgSummary& arg_summary(const c10::OperatorHandle& op) {
-  thread_local std::unordered_map<const c10::FunctionSchema*, ArgSummary> cache;
+  // Per thread (no lock), in an open-addressing table (one probe for most calls); the summaries
+  // do not move when the table grows, since a caller may hold one while a nested call adds one.
+  thread_local ska::flat_hash_map<const c10::FunctionSchema*, std::unique_ptr<ArgSummary>> cache;
   const auto& schema = op.schema();
   auto it = cache.find(&schema);
-  if (it != cache.end()) return it->second;
+  if (it != cache.end()) return *it->second;
   ArgSummary s;
   for (const auto& arg : schema.arguments()) {
     s.kinds.push_back(kind_of(arg.type()));
@@ -261,7 +266,7 @@ const ArgSummary& arg_summary(const c10::OperatorHandle& op) {
   s.cpu_tensors_allowed = name == "aten::index" || name == "aten::index_put_" ||
                           name == "aten::_index_put_impl_" || name == "aten::index_put" ||
                           name == "aten::_unsafe_index" || name == "aten::_unsafe_index_put";
-  return cache.emplace(&schema, std::move(s)).first->second;
+  return *cache.emplace(&schema, std::make_unique<ArgSummary>(std::move(s))).first->second;
 }
 
 // [docs:start ERROR_CONTEXT_SWITCH]
