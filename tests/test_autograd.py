@@ -149,8 +149,9 @@ def test_worker_threads_release_the_last_backward_when_flushed():
                 torch_openreg._C._release_autograd_graphs()
             return ref() is not None
 
-        # Without the flush the window is real (about 1 in 5 backwards here) ...
-        assert sum(held_after_return(False) for _ in range(200)) > 0
+        # Without the flush the window is real (about 1 in 5 backwards here, far rarer while
+        # other processes load the machine) ...
+        assert any(held_after_return(False) for _ in range(2000))
         # ... and after it the worker never holds the last backward any more.
         assert sum(held_after_return(True) for _ in range(200)) == 0
     finally:
