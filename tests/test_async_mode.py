@@ -393,8 +393,7 @@ def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
     launch = [e for e in prof.events() if e.name == "aten::mm"]
     kernels = [e for e in prof.events()
                if e.device_type == DeviceType.PrivateUse1 and "aten::mm" in e.name]
-    # mm, and the mm.out its structured wrapper calls, which is queued: one kernel.
-    assert len(launch) == 2 and len(kernels) == 1, [e.name for e in prof.events()]
+    assert len(launch) == 1 and len(kernels) == 1, [e.name for e in prof.events()]
     # The host returned from the launch before the stream's worker ran the kernel.
     assert kernels[0].time_range.start >= max(e.time_range.end for e in launch)
 

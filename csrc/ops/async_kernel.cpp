@@ -22,6 +22,7 @@
 #include "runtime/stream.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Allocator.h>
@@ -723,6 +724,8 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
       ~Reset() { t_checked_by_wrapper = false; }
     } reset;
     t_checked_by_wrapper = true;
+    // The profiler shows the operator once, as in the default mode (not also its `.out` call).
+    at::DisableRecordFunctionGuard one_event;
     op.redispatchBoxed(c10::DispatchKeySet(kWrapperKey), stack);
     return Route::Wrapper;
   }
@@ -844,14 +847,14 @@ bool async_device_copy(const at::Tensor& dst, const at::Tensor& src) {
   return true;
 }
 
-bool async_fill(const at::Tensor& self, const c10::Scalar& value) {
+bool async_fill(const at::Tensor& self, const c10::Scalar& value, bool memset) {
   if (inside_stream_work() || self.layout() != c10::kStrided) return false;
   // The value is converted now, on the host (a value the dtype cannot hold raises the CPU's
   // error at the call, as CUDA converts a kernel's scalar arguments at the launch).
   at::empty({}, at::TensorOptions().dtype(self.scalar_type())).fill_(value);
   at::Tensor view = tensor_over(cpu_view_storage(self.storage()), c10::DispatchKey::CPU, self);
-  queue(current_stream(self.device().index()), ActivityKind::Memset,
-        size_t(self.numel()) * self.element_size(), [view, value] {
+  queue(current_stream(self.device().index()), memset ? ActivityKind::Memset : ActivityKind::Kernel,
+        memset ? size_t(self.numel()) * self.element_size() : 0, [view, value] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     KernelScope memory;
     view.fill_(value);

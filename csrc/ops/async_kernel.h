@@ -44,6 +44,7 @@ bool async_fallback(const c10::OperatorHandle& op, c10::Stack* stack, int device
 bool async_device_copy(const at::Tensor& dst, const at::Tensor& src);
 
 // fill_ / zero_ (routes/codegen.cpp: torch.zeros, torch.full, zero_grad), queued likewise.
-bool async_fill(const at::Tensor& self, const c10::Scalar& value);
+// `memset`: reported to the profiler as a memset (zero_) rather than a kernel (fill_).
+bool async_fill(const at::Tensor& self, const c10::Scalar& value, bool memset = false);
 
 }  // namespace openreg

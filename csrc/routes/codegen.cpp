@@ -80,7 +80,8 @@ at::Tensor& PrivateUse1NativeFunctions::zero_(at::Tensor& self) {
     capture_call<at::Tensor>(c, self.device().index(), "aten::zero_", "", self);
     return self;
   }
-  if (async_kernels_enabled() && async_fill(self, 0)) return self;  // ops/async_kernel.h
+  if (async_kernels_enabled() && async_fill(self, 0, fills_directly(self)))  // ops/async_kernel.h
+    return self;
   if (!fills_directly(self)) return fill_(self, 0);
   if (self.numel() == 0) return self;
   LaunchScope launch(current_stream(self.device().index()));
