@@ -89,7 +89,7 @@ namespace {
 
 bool follow_from_env() {
   const char* env = std::getenv("OPENREG_AUTOGRAD_FOLLOW_CALLER");
-  return env == nullptr || env[0] == '\0' || std::strcmp(env, "0") != 0;
+  return env != nullptr && std::strcmp(env, "1") == 0;
 }
 
 std::atomic<bool> g_follow{follow_from_env()};
@@ -195,7 +195,12 @@ void move_to(int cpu) {
 // in one backward), sharing one core would serialise them: the first time a thread starts a
 // kernel while a device thread is inside one, the device threads get the process's affinity back
 // and stop following, for the rest of the process.
-// OPENREG_AUTOGRAD_FOLLOW_CALLER=0 switches it off from the start.
+// Off unless OPENREG_AUTOGRAD_FOLLOW_CALLER=1: on an idle machine the caller does not stay put.
+// When the device thread wakes it at the end of backward, the scheduler puts the caller on the
+// idle core, so the device thread chases it every step (one move per step, measured) and the
+// optimizer still reads the gradients across cores: MLP backward 0.82-0.87 ms following against
+// 0.66 ms not following (idle, OMP_NUM_THREADS=1). It helped only with no idle core (another
+// process on it): 0.56 against 0.73 ms, one measurement (docs/autograd.md).
 DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
   if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
