@@ -441,6 +441,58 @@ def test_model_forward_backward_matches_cpu(name):
                                    msg=lambda m: f"{pname}: {m}")
 
 
+def conv_layouts(x, w, b):
+    """Strides of a convolution's output and of its input/weight/bias gradients."""
+    out = torch.ops.aten.convolution(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    grads = torch.ops.aten.convolution_backward(torch.ones_like(out), x, w, [w.shape[0]], [1, 1],
+                                                [1, 1], [1, 1], False, [0, 0], 1,
+                                                [True, True, True])
+    return [t.stride() for t in (out, *grads)]
+
+
+@pytest.mark.parametrize("weight_format", [torch.contiguous_format, torch.channels_last])
+def test_convolution_layouts_are_the_fake_tensor_prediction(weight_format):
+    # Compiled code never runs the kernel to learn its layouts: FakeTensor predicts them, and
+    # Inductor asserts that the real strides match. For a PrivateUse1 device the prediction is
+    # NCHW whatever the inputs' layouts (the CPU would keep channels-last).
+    from torch._subclasses import FakeTensorMode
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last).to("openreg")
+    w = torch.randn(4, 3, 3, 3).to(memory_format=weight_format).to("openreg")
+    b = torch.randn(4, device="openreg")
+    mode = FakeTensorMode()
+    with mode:
+        predicted = conv_layouts(*(mode.from_tensor(t) for t in (x, w, b)))
+    assert conv_layouts(x, w, b) == predicted
+    assert predicted[0] == (144, 36, 6, 1)  # NCHW
+
+
+def test_channels_last_cnn_training_step_matches_eager():
+    # docs/compile.md pitfall 11: this failed in the backward (convolution_backward's strides).
+    # Inductor's layout optimization, which it turns on by itself for larger convolution models
+    # (the benchmarks' SmallCNN), keeps the activations channels-last, so the convolution kernels
+    # receive channels-last tensors; forced here so that the model can stay small.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, stride=2),
+                          nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+    model = model.to("openreg").to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last).to("openreg")
+    x.requires_grad_()
+
+    def grads(fn):
+        model.zero_grad()
+        x.grad = None
+        loss = fn(x).square().mean()
+        loss.backward()
+        return [loss.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in model.parameters()]
+
+    ref = grads(model)
+    with torch._inductor.config.patch(force_layout_optimization=True):
+        got = grads(torch.compile(model))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def test_tiny_transformers_model_matches_cpu(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import transformers  # installed by the Makefile

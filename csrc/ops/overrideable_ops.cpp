@@ -27,6 +27,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/SDPBackend.h>
+#include <ATen/native/ConvUtils.h>
 #include <ATen/native/DispatchStub.h>
 #include <ATen/native/transformers/attention.h>
 #include <c10/util/Exception.h>
@@ -83,11 +84,28 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
 // Convolution
 // ---------------------------------------------------------------------------------------------
 
+// [docs:start CONVOLUTION_LAYOUT]
+// The memory format of the output and of the input and weight gradients. Compilers do not run
+// the kernel: FakeTensor's convolution (torch/_subclasses/fake_impls.py) predicts the layout with
+// this function of ATen for the backend `_convolution` selects, and for a PrivateUse1 device that
+// is `Overrideable`, for which it says NCHW (contiguous) whatever the inputs' layouts. Inductor
+// checks the strides of extern kernels' outputs against that prediction, so the kernels return
+// exactly this layout, as CUDA returns what cuDNN's rule predicts, even where the CPU kernel
+// would keep a channels-last input's layout.
+at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& weight) {
+  return at::native::_determine_backend_memory_format(input, weight,
+                                                      at::native::ConvBackend::Overrideable);
+}
+// [docs:end CONVOLUTION_LAYOUT]
+
 // Output shapes for graph capture (the overrideable ops have no Meta kernel): `convolution`
-// takes the same arguments and has one; the backward's gradients have the inputs' shapes.
+// takes the same arguments and has one; the backward's gradients have the inputs' shapes. Both
+// in the layout the kernels return.
 void convolution_meta(c10::Stack* stack) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  const auto format = conv_memory_format((*stack)[0].toTensor(), (*stack)[1].toTensor());
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+  (*stack)[0] = (*stack)[0].toTensor().contiguous(format);
 }
 
 void convolution_backward_meta(c10::Stack* stack) {
@@ -96,16 +114,20 @@ void convolution_backward_meta(c10::Stack* stack) {
   const auto mask = (*stack)[9].to<std::array<bool, 3>>();
   const at::Tensor grad_output = (*stack)[0].toTensor();
   const at::Tensor input = (*stack)[1].toTensor(), weight = (*stack)[2].toTensor();
+  const auto format = conv_memory_format(input, weight);
   stack->clear();
-  stack->emplace_back(mask[0] ? at::empty_like(input) : at::Tensor());
-  stack->emplace_back(mask[1] ? at::empty_like(weight) : at::Tensor());
+  stack->emplace_back(mask[0] ? at::empty(input.sizes(), input.options().memory_format(format))
+                              : at::Tensor());
+  stack->emplace_back(mask[1] ? at::empty(weight.sizes(), weight.options().memory_format(format))
+                              : at::Tensor());
   stack->emplace_back(mask[2] ? at::empty({grad_output.size(1)}, grad_output.options())
                               : at::Tensor());
 }
 
 // [docs:start CONVOLUTION]
 // The CPU has every convolution (1d/2d/3d, transposed, grouped, dilated): run it on the device
-// memory. `_convolution` has already checked the arguments and chosen this backend.
+// memory, and return the results in the layout compilers predict (conv_memory_format above).
+// `_convolution` has already checked the arguments and chosen this backend.
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation,
@@ -120,7 +142,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   HostKernel k(device);
   at::Tensor out = at::convolution(k.alias(input), k.alias(weight), alias_optional(k, bias), stride,
                                    padding, dilation, transposed, output_padding, groups);
-  return k.result(out);
+  return k.result(out.contiguous(conv_memory_format(input, weight)));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -141,9 +163,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
       k.alias(grad_output), k.alias(input), k.alias(weight), c10::IntArrayRef(bias_size), stride,
       padding, dilation, transposed, output_padding, groups, output_mask);
   // Some CPU kernels compute more than asked; return exactly what the mask asks for.
-  auto wanted = [&](const at::Tensor& g, bool w) { return w ? k.result(g) : at::Tensor(); };
-  return {wanted(grad_input, output_mask[0]), wanted(grad_weight, output_mask[1]),
-          wanted(grad_bias, output_mask[2])};
+  const auto format = conv_memory_format(input, weight);
+  auto wanted = [&](const at::Tensor& g, bool w, at::MemoryFormat f) {
+    return w ? k.result(g.contiguous(f)) : at::Tensor();
+  };
+  return {wanted(grad_input, output_mask[0], format), wanted(grad_weight, output_mask[1], format),
+          wanted(grad_bias, output_mask[2], at::MemoryFormat::Contiguous)};
 }
 // [docs:end CONVOLUTION]
 
