@@ -273,6 +273,28 @@ _FOLLOW_SCRIPT = textwrap.dedent("""
     full = os.sched_getaffinity(0)
     affinity()  # starts the device thread (a thread starts with its starter's affinity)
     os.sched_setaffinity(0, {min(full)})
+
+    # Hold.apply(x)'s backward holds its device thread inside a kernel (a custom op's CPU
+    # kernel run by the fallback) from `entered` until `release`.
+    entered, release = threading.Event(), threading.Event()
+    lib = torch.library.Library("follow_test", "DEF")
+    lib.define("hold(Tensor x) -> Tensor")
+
+    def hold(x):
+        entered.set()
+        assert release.wait(60)
+        return x * 3
+
+    lib.impl("hold", hold, "CPU")
+
+    class Hold(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.ops.follow_test.hold(grad)
 """)
 
 
@@ -307,25 +329,6 @@ def test_a_host_kernel_during_a_device_kernel_stops_following():
         pytest.skip("needs 2 cores")
     script = _FOLLOW_SCRIPT + textwrap.dedent("""
         assert affinity() == {min(full)}
-        entered, release = threading.Event(), threading.Event()
-        lib = torch.library.Library("follow_test", "DEF")
-        lib.define("hold(Tensor x) -> Tensor")
-
-        def hold(x):
-            entered.set()
-            assert release.wait(60)
-            return x * 3
-
-        lib.impl("hold", hold, "CPU")
-
-        class Hold(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, grad):
-                return torch.ops.follow_test.hold(grad)
 
         x = torch.ones(4, device="openreg:0", requires_grad=True)
         t = threading.Thread(target=lambda: Hold.apply(x).sum().backward())
@@ -351,25 +354,6 @@ def test_two_device_threads_in_kernels_at_once_stop_following():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     script = _FOLLOW_SCRIPT + textwrap.dedent("""
-        entered, release = threading.Event(), threading.Event()
-        lib = torch.library.Library("follow_test", "DEF")
-        lib.define("hold(Tensor x) -> Tensor")
-
-        def hold(x):
-            entered.set()
-            assert release.wait(60)
-            return x * 3
-
-        lib.impl("hold", hold, "CPU")
-
-        class Hold(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, grad):
-                return torch.ops.follow_test.hold(grad)
 
         x0 = torch.ones(4, device="openreg:0", requires_grad=True)
         x1 = torch.ones(4, device="openreg:1", requires_grad=True)

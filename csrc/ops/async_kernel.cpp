@@ -17,6 +17,7 @@
 #include "ops/async_kernel.h"
 
 #include "adapters/device_allocator.h"
+#include "ops/cpu_kernel.h"
 #include "runtime/device.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
@@ -158,16 +159,6 @@ const OpPlan& plan_for(const c10::OperatorHandle& op, const ArgSummary& s) {
 // Set while a structured wrapper runs: the `.out` call it makes has outputs of the right shape,
 // checked by the wrapper's meta function, so it needs no meta kernel of its own.
 thread_local bool t_checked_by_wrapper = false;
-
-at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
-  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
-                                                    like.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(),
-                                                 like.storage_offset());
-  if (like.is_conj()) t._set_conj(true);
-  if (like.is_neg()) t._set_neg(true);
-  return t;
-}
 
 c10::Storage meta_storage(size_t nbytes, bool resizable) {
   return c10::Storage(c10::Storage::use_byte_size_t(), nbytes,
@@ -364,7 +355,7 @@ class Launch {
     const auto* storage = m.storage().unsafeGetStorageImpl();
     for (const auto& st : storages_)
       if (st.meta.unsafeGetStorageImpl() == storage) {
-        result = tensor_over(st.device, c10::DispatchKey::PrivateUse1, m);  // a view
+        result = make_tensor_like(st.device, c10::DispatchKey::PrivateUse1, m);  // a view
         return true;
       }
     if (c10::isQIntType(m.scalar_type())) return false;
@@ -379,8 +370,8 @@ class Launch {
       c10::Storage cpu = cpu_view_storage(device);
       outputs_.push_back({m.storage(), std::move(device), std::move(cpu)});
     }
-    result = tensor_over(outputs_[index].device, c10::DispatchKey::PrivateUse1, m);
-    fresh.push_back({ret, item, tensor_over(outputs_[index].cpu, c10::DispatchKey::CPU, m)});
+    result = make_tensor_like(outputs_[index].device, c10::DispatchKey::PrivateUse1, m);
+    fresh.push_back({ret, item, make_tensor_like(outputs_[index].cpu, c10::DispatchKey::CPU, m)});
     return true;
   }
 
@@ -505,7 +496,7 @@ class Launch {
       // GPU kernel receives its scalar arguments at the launch.
       if (written) return false;
       if (with_meta_) {
-        meta = tensor_over(meta_storage(t.storage().nbytes(), false), c10::DispatchKey::Meta, t);
+        meta = make_tensor_like(meta_storage(t.storage().nbytes(), false), c10::DispatchKey::Meta, t);
         if (t.unsafeGetTensorImpl()->is_wrapped_number())
           meta.unsafeGetTensorImpl()->set_wrapped_number(true);
       }
@@ -513,7 +504,7 @@ class Launch {
         // Made from a Python number and never changed: the queued kernel gets its own
         // TensorImpl over the same memory (autograd may hand the original to Python, and a
         // stream worker must never release an object Python holds: that needs the GIL).
-        cpu = tensor_over(t.storage(), c10::DispatchKey::CPU, t);
+        cpu = make_tensor_like(t.storage(), c10::DispatchKey::CPU, t);
         cpu.unsafeGetTensorImpl()->set_wrapped_number(true);
       } else {
         cpu = t.clone();
@@ -537,8 +528,8 @@ class Launch {
                            with_meta_ ? meta_storage(storage.nbytes(), storage.resizable())
                                       : c10::Storage(),
                            cpu_view_storage(storage)});
-    if (with_meta_) meta = tensor_over(storages_[index].meta, c10::DispatchKey::Meta, t);
-    cpu = tensor_over(storages_[index].cpu, c10::DispatchKey::CPU, t);
+    if (with_meta_) meta = make_tensor_like(storages_[index].meta, c10::DispatchKey::Meta, t);
+    cpu = make_tensor_like(storages_[index].cpu, c10::DispatchKey::CPU, t);
     tensors_.push_back({t, meta, cpu, index, written});
     return true;
   }
@@ -832,8 +823,8 @@ bool async_device_copy(const at::Tensor& dst, const at::Tensor& src) {
   const int device = dst.device().index();
   auto view = [](const at::Tensor& t, const at::Tensor* other, const at::Tensor* other_view) {
     if (other != nullptr && t.storage().is_alias_of(other->storage()))
-      return tensor_over(other_view->storage(), c10::DispatchKey::CPU, t);  // overlapping views
-    return tensor_over(cpu_view_storage(t.storage()), c10::DispatchKey::CPU, t);
+      return make_tensor_like(other_view->storage(), c10::DispatchKey::CPU, t);  // overlapping views
+    return make_tensor_like(cpu_view_storage(t.storage()), c10::DispatchKey::CPU, t);
   };
   at::Tensor d = view(dst, nullptr, nullptr);
   at::Tensor s = view(src, &dst, &d);
@@ -852,7 +843,7 @@ bool async_fill(const at::Tensor& self, const c10::Scalar& value, bool memset) {
   // The value is converted now, on the host (a value the dtype cannot hold raises the CPU's
   // error at the call, as CUDA converts a kernel's scalar arguments at the launch).
   at::empty({}, at::TensorOptions().dtype(self.scalar_type())).fill_(value);
-  at::Tensor view = tensor_over(cpu_view_storage(self.storage()), c10::DispatchKey::CPU, self);
+  at::Tensor view = make_tensor_like(cpu_view_storage(self.storage()), c10::DispatchKey::CPU, self);
   queue(current_stream(self.device().index()), memset ? ActivityKind::Memset : ActivityKind::Kernel,
         memset ? size_t(self.numel()) * self.element_size() : 0, [view, value] {
     at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -41,6 +41,9 @@ c10::intrusive_ptr<c10::StorageImpl> make_cpu_alias_storage(const c10::Storage& 
                                                /*resizable=*/true);
 }
 
+
+}  // namespace
+
 at::Tensor make_tensor_like(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
                                                     like.dtype());
@@ -50,8 +53,6 @@ at::Tensor make_tensor_like(c10::Storage storage, c10::DispatchKey key, const at
   if (like.is_neg()) t._set_neg(true);
   return t;
 }
-
-}  // namespace
 
 at::Tensor make_device_tensor(c10::Storage storage, const at::Tensor& like) {
   return make_tensor_like(std::move(storage), c10::DispatchKey::PrivateUse1, like);

@@ -67,6 +67,10 @@ class HostKernel {
   Session* const s_;
 };
 
+// A tensor of dispatch key `key` over `storage` with the metadata of `like` (sizes, strides,
+// offset, dtype, conjugate and negative bits).
+at::Tensor make_tensor_like(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like);
+
 // A device tensor over `storage` with the metadata of `like` (sizes, strides, offset, dtype).
 at::Tensor make_device_tensor(c10::Storage storage, const at::Tensor& like);
 
