@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -109,12 +110,10 @@ const cpu_set_t g_process_affinity = [] {
   return set;
 }();
 
-struct MovedWorker {
-  pid_t tid;
-};
+// The thread ids of the device threads placed on a caller's core.
 std::mutex g_moved_mutex;
-std::vector<MovedWorker>& moved_workers() {
-  static auto* workers = new std::vector<MovedWorker>();  // never destroyed: used at exit
+std::vector<pid_t>& moved_workers() {
+  static auto* workers = new std::vector<pid_t>();  // never destroyed: used at exit
   return *workers;
 }
 
@@ -133,8 +132,7 @@ int64_t monotonic_ns() {
 }
 
 void restore_moved_workers_locked() {
-  for (const MovedWorker& w : moved_workers())
-    sched_setaffinity(w.tid, sizeof(cpu_set_t), &g_process_affinity);
+  for (pid_t tid : moved_workers()) sched_setaffinity(tid, sizeof(cpu_set_t), &g_process_affinity);
   moved_workers().clear();
   g_moved_workers.store(0);
 }
@@ -151,21 +149,22 @@ void move_to(int cpu) {
   std::lock_guard lock(g_moved_mutex);
   if (!g_follow.load()) return;
   const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
-  bool known = false;
-  for (const MovedWorker& w : moved_workers()) known |= w.tid == tid;
-  if (!known) {
-    moved_workers().push_back({tid});
+  auto& moved = moved_workers();
+  if (std::find(moved.begin(), moved.end(), tid) == moved.end()) {
+    moved.push_back(tid);
     g_moved_workers.fetch_add(1);
   }
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  if (cpu < CPU_SETSIZE) CPU_SET(cpu, &one);
-  if (cpu < CPU_SETSIZE && sched_setaffinity(0, sizeof(cpu_set_t), &one) == 0) {
-    g_stat_moves.fetch_add(1, std::memory_order_relaxed);
-    t_cpu = cpu;
-  } else {
-    t_cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
+  if (cpu < CPU_SETSIZE) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (sched_setaffinity(0, sizeof(cpu_set_t), &one) == 0) {
+      g_stat_moves.fetch_add(1, std::memory_order_relaxed);
+      t_cpu = cpu;
+      return;
+    }
   }
+  t_cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
 }
 
 // A forked child has none of the parent's threads: it must not adjust threads by the parent's
@@ -217,17 +216,18 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
       stop_following();
     return;
   }
-  worker_ = true;
   if (g_follow.load(std::memory_order_relaxed)) {
     // Moved there before and still there (its affinity may have been changed since).
     const int target = g_caller_cpu.load(std::memory_order_relaxed);
     if (target >= 0 && t_cpu != -2 - target && (target != t_cpu || target != sched_getcpu()))
       move_to(target);
+    // Counted only while following, the one use of the count. Two device threads in kernels at
+    // once (a backward over two devices): same rule.
+    counted_ = true;
+    if (g_workers_in_kernel.fetch_add(1, std::memory_order_relaxed) > 0 &&
+        g_moved_workers.load(std::memory_order_relaxed) > 0)
+      stop_following();
   }
-  // Two device threads in kernels at once (a backward over two devices): same rule.
-  if (g_workers_in_kernel.fetch_add(1, std::memory_order_relaxed) > 0 &&
-      g_moved_workers.load(std::memory_order_relaxed) > 0)
-    stop_following();
   if (g_stats.load(std::memory_order_relaxed)) start_ns_ = monotonic_ns();
 }
 
@@ -235,8 +235,7 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
 
 DeviceThreadPlacement::~DeviceThreadPlacement() {
   --t_depth;
-  if (!worker_) return;
-  g_workers_in_kernel.fetch_sub(1, std::memory_order_relaxed);
+  if (counted_) g_workers_in_kernel.fetch_sub(1, std::memory_order_relaxed);
   if (start_ns_ != 0) {
     const int64_t end = monotonic_ns();
     g_stat_kernels.fetch_add(1, std::memory_order_relaxed);

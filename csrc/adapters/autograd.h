@@ -33,7 +33,7 @@ class DeviceThreadPlacement {
 
  private:
   int64_t start_ns_ = 0;  // on a device thread while stats are on
-  bool worker_ = false;
+  bool counted_ = false;  // in g_workers_in_kernel (a device thread while following)
 };
 // [docs:end FOLLOW_CALLER_API]
 
