@@ -714,15 +714,16 @@ def _check_timeout(rank, world):
     return ("no error", None, time.monotonic() - t0)
 
 
-@pytest.mark.parametrize("case", ["mismatch", "mismatch_no_backend_name", "killed", "timeout"])
+@pytest.mark.parametrize("case", ["mismatch", "mismatch_no_backend_name", "mismatch_detail",
+                                  "killed", "timeout"])
 def test_failures_raise_within_timeout(case):
-    """Mismatched shapes are checked with TORCH_DISTRIBUTED_DEBUG=DETAIL, PyTorch's switch for it
-    (without it, gloo aborts the rank that receives more data than it expects; see
-    test_mismatch_without_debug), also in the group init_process_group() builds without a
-    backend name."""
+    """Mismatched shapes: occl compares them across ranks before each collective, also in the
+    group init_process_group() builds without a backend name; with TORCH_DISTRIBUTED_DEBUG=DETAIL
+    PyTorch's own wrapper checks first, with its message."""
     check = {"mismatch": _check_mismatch, "mismatch_no_backend_name": _check_mismatch,
+             "mismatch_detail": _check_mismatch,
              "killed": _check_killed, "timeout": _check_timeout}[case]
-    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if case.startswith("mismatch") else None
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if case == "mismatch_detail" else None
     backend = None if case == "mismatch_no_backend_name" else "cpu:gloo,openreg:occl"
     shm = _shm()
     t0 = time.monotonic()
@@ -740,6 +741,9 @@ def test_failures_raise_within_timeout(case):
         assert set(survivors) == {0, 1}, results
         for r, (status, message, seconds) in survivors.items():
             assert "Detected mismatch between collectives on ranks" in message, message
+            if case != "mismatch_detail":  # occl's own message names each rank's call
+                assert ("rank 0 called ALLREDUCE(SUM) (Float[4]); "
+                        "rank 1 called ALLREDUCE(SUM) (Float[8])") in message, message
     for r, (status, message, seconds) in survivors.items():
         assert status == "error", (case, r, message)
         assert seconds < 3.0 + 5.0, (case, r, seconds, message)  # the timeout, plus slack
@@ -750,14 +754,88 @@ def test_failures_raise_within_timeout(case):
     assert not multiprocessing.active_children()
 
 
-def test_mismatch_without_debug():
-    """Without TORCH_DISTRIBUTED_DEBUG=DETAIL occl does what gloo does on CPU tensors (the
+def _check_mismatches(rank, world):
+    """Each kind of mismatch raises the same error on every rank, before any data moved; the
+    group stays usable after each; collectives whose shapes may differ by rank do not raise."""
+    dev = _dev(rank)
+    seen = {}
+
+    def attempt(name, call, *tensors):
+        before = [t.cpu().clone() for t in tensors]
+        try:
+            call()
+        except RuntimeError as e:
+            seen[name] = str(e)
+        else:
+            seen[name] = None
+        for b, t in zip(before, tensors):  # nothing written before the check raised
+            assert torch.equal(b, t.cpu()) or seen[name] is None, name
+        ok = torch.ones(3, device=dev)
+        dist.all_reduce(ok)  # the group still works, tags still in step
+        assert ok.cpu().tolist() == [world] * 3, name
+
+    small_or_big = torch.full((2 + 2 * rank,), float(rank), device=dev)
+    attempt("shape", lambda: dist.all_reduce(small_or_big), small_or_big)
+    # a bigger buffer on a non-root rank: gloo would fill its start and raise nothing
+    attempt("broadcast", lambda: dist.broadcast(small_or_big, src=0), small_or_big)
+    typed = torch.ones(4, device=dev, dtype=torch.float16 if rank == 0 else torch.float32)
+    attempt("dtype", lambda: dist.all_reduce(typed), typed)
+    four = torch.full((4,), float(rank), device=dev)
+    attempt("kind", lambda: dist.all_reduce(four) if rank == 0 else dist.broadcast(four, 0), four)
+    attempt("op", lambda: dist.all_reduce(four, op=dist.ReduceOp.SUM if rank == 0
+                                          else dist.ReduceOp.MAX), four)
+    attempt("root", lambda: dist.broadcast(four, src=rank), four)
+    gathered = torch.empty(8, device=dev)
+    attempt("all_gather", lambda: dist.all_gather_into_tensor(gathered, small_or_big[:2 + rank]))
+    # uneven all_to_all_single: rank 0 sends 1 to itself and 2 to rank 1, rank 1 sends 3 to
+    # rank 0 and 1 to itself; valid, and then once with rank 1 expecting 3 from rank 0
+    sends = [[1, 2], [3, 1]][rank]
+    receives = [[1, 3], [2, 1]][rank]
+    source = torch.arange(float(sum(sends)), device=dev) + 10 * rank
+    target = torch.empty(sum(receives), device=dev)
+    attempt("uneven", lambda: dist.all_to_all_single(target, source, receives, sends))
+    expected = [[0.0, 10.0, 11.0, 12.0], [1.0, 2.0, 13.0]][rank]
+    assert target.cpu().tolist() == expected
+    wrong = [[1, 3], [3, 1]][rank]  # rank 1 expects 3 from rank 0, which sends 2
+    attempt("splits", lambda: dist.all_to_all_single(torch.empty(sum(wrong), device=dev),
+                                                     source, wrong, sends))
+    return seen
+
+
+def test_mismatch_catalogue():
+    results, _ = run_ranks(_check_mismatches, timeout_s=10.0, job_timeout=120)
+    by_rank = [results[r][1] for r in range(2)]
+    assert by_rank[0] == by_rank[1]  # the same error on every rank
+    seen = by_rank[0]
+    prefix = "occl: Detected mismatch between collectives on ranks: "
+    assert seen["uneven"] is None
+    expected = {
+        "shape": "rank 0 called ALLREDUCE(SUM) (Float[2]); rank 1 called ALLREDUCE(SUM) (Float[4])",
+        "broadcast": "rank 0 called BROADCAST(root 0) (Float[2]); "
+                     "rank 1 called BROADCAST(root 0) (Float[4])",
+        "dtype": "rank 0 called ALLREDUCE(SUM) (Half[4]); rank 1 called ALLREDUCE(SUM) (Float[4])",
+        "kind": "rank 0 called ALLREDUCE(SUM) (Float[4]); rank 1 called BROADCAST(root 0) (Float[4])",
+        "op": "rank 0 called ALLREDUCE(SUM) (Float[4]); rank 1 called ALLREDUCE(MAX) (Float[4])",
+        "root": "rank 0 called BROADCAST(root 0) (Float[4]); rank 1 called BROADCAST(root 1) (Float[4])",
+        "all_gather": "rank 0 called ALLGATHER_BASE Float[2] -> Float[8]; "
+                      "rank 1 called ALLGATHER_BASE Float[3] -> Float[8]",
+        "splits": "ranks 0, 1 called ALLTOALL_BASE Float[*], but rank 0 sends 2 elements to "
+                  "rank 1, which expects 3 from it",
+    }
+    for name, text in expected.items():
+        assert seen[name] is not None and seen[name].startswith(prefix + text), (name, seen[name])
+        assert "OPENREG_OCCL_CHECK=0" in seen[name]
+
+
+def test_mismatch_unchecked_is_gloo():
+    """With the check off (OPENREG_OCCL_CHECK=0) occl does what gloo does on CPU tensors (the
     reference, run in the same job): the rank that receives more bytes than it expects (rank 0:
     4 elements against rank 1's 8) aborts inside gloo ("Received data size doesn't match
     expected size"), the other one raises "Connection reset by peer". Nothing hangs."""
     outcomes = {}
     for device, check in (("cpu", _check_mismatch_cpu), ("openreg", _check_mismatch)):
-        results, exitcodes = run_ranks(check, timeout_s=3.0, job_timeout=60, expect_errors=True)
+        results, exitcodes = run_ranks(check, timeout_s=3.0, job_timeout=60, expect_errors=True,
+                                       env={"OPENREG_OCCL_CHECK": "0"})
         raised = [r for r, (status, v) in results.items() if status == "ok" and v[0] == "error"]
         aborted = [r for r, code in enumerate(exitcodes) if code == -signal.SIGABRT]
         outcomes[device] = (aborted, raised)

@@ -16,17 +16,25 @@ transport (TCP, works across machines) reads and writes device memory in place.
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 
 from torch_openreg import _C
 
-__all__ = ["BACKEND_NAME", "DEFAULT_BACKEND", "create_backend"]
+__all__ = ["BACKEND_NAME", "DEFAULT_BACKEND", "checks_shapes", "create_backend"]
 
 BACKEND_NAME = "occl"
 # What a process group gets when no backend name is given: gloo for CPU tensors, occl for
 # openreg tensors (`Backend.default_device_backend_map["openreg"]`).
 DEFAULT_BACKEND = "cpu:gloo,openreg:occl"
+
+
+def checks_shapes() -> bool:
+    """Whether new occl groups compare each collective's shapes across ranks before running it
+    (the default; ``OPENREG_OCCL_CHECK=0`` turns it off, on every rank alike: a rank that checks
+    and one that does not cannot talk to each other)."""
+    return os.environ.get("OPENREG_OCCL_CHECK", "1") != "0"
 
 
 # [docs:start CREATE_BACKEND]
@@ -36,7 +44,7 @@ def create_backend(store, group_rank: int, group_size: int, timeout: datetime.ti
     from torch.distributed import ProcessGroupGloo
 
     gloo = ProcessGroupGloo(store, group_rank, group_size, timeout)
-    return _C._occl_backend(gloo)
+    return _C._occl_backend(gloo, check=checks_shapes())
 # [docs:end CREATE_BACKEND]
 
 

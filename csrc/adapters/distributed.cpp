@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sstream>
 
 namespace openreg {
 namespace {
@@ -302,10 +303,54 @@ std::function<void()> average(const Reduction& r, TensorList outputs, int size) 
 }
 // [docs:end OCCL_REDUCE_OPS]
 
+// [docs:start OCCL_AGREE]
+// Before each collective, the ranks of the group compare what they are about to run: gloo
+// trusts each rank's sizes, and a rank that receives more bytes than its buffer holds is aborted
+// by gloo's transport thread (SIGABRT), while a rank with a larger buffer may return with it
+// partly filled. occl exchanges a fixed-size record per rank first (one small all-gather through
+// the same gloo backend, so every rank's tags stay in step): a hash of the collective's
+// description (kind, reduction, root, dtypes and shapes) and, for the all-to-all collectives,
+// whose shapes may differ by rank, the element counts sent to and received from each peer. When
+// the records disagree, every rank takes part in a second all-gather of the descriptions and
+// raises the same error naming each rank's call; the group stays usable.
+struct Signature {
+  std::string text;
+  std::vector<int64_t> sends, receives;  // elements per peer; all-to-all only
+};
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.scalar_type() << t.sizes();
+  return s.str();
+}
+std::string describe(const TensorList& ts) {
+  std::string s = "(";
+  for (size_t i = 0; i < ts.size(); ++i) s += (i ? ", " : "") + describe(ts[i]);
+  return s + ")";
+}
+std::string describe(const std::vector<TensorList>& ls) {
+  std::string s = "(";
+  for (size_t i = 0; i < ls.size(); ++i) s += (i ? ", " : "") + describe(ls[i]);
+  return s + ")";
+}
+std::string describe(const ReduceOp& op) {
+  static const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND",
+                                "BOR", "BXOR", "PREMUL_SUM", "UNUSED"};
+  const auto i = static_cast<size_t>(op.op_);
+  return i < sizeof(names) / sizeof(names[0]) ? names[i] : std::to_string(i);
+}
+
+uint64_t fnv1a(const std::string& text) {  // the same on every machine, unlike std::hash
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+// [docs:end OCCL_AGREE]
+
 class OcclBackend : public Backend {
  public:
-  explicit OcclBackend(c10::intrusive_ptr<Backend> gloo)
-      : Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+  OcclBackend(c10::intrusive_ptr<Backend> gloo, bool check)
+      : Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), check_(check) {}
 
   const std::string getBackendName() const override { return "occl"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return gloo_->getBackendOptions(); }
@@ -343,12 +388,13 @@ class OcclBackend : public Backend {
       for (int r = 0; r < getSize(); ++r) own->global_ranks_in_group.push_back(r);
     auto gloo = gloo_->split(c10::make_intrusive<c10d::PrefixStore>("openreg/", store), ranks, opts);
     if (!gloo) return nullptr;
-    auto occl = c10::make_intrusive<OcclBackend>(std::move(gloo));
+    auto occl = c10::make_intrusive<OcclBackend>(std::move(gloo), check_);
     occl->setGroupUid(opts->group_name);
     return occl;
   }
   // [docs:end OCCL_SPLIT]
   const c10::intrusive_ptr<Backend>& gloo() const { return gloo_; }
+  bool checks() const { return check_; }
 
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
   void setSequenceNumberForGroup() override { gloo_->setSequenceNumberForGroup(); }
@@ -363,6 +409,7 @@ class OcclBackend : public Backend {
   template <typename Options, typename GlooCall>
   c10::intrusive_ptr<Work> reduce_in_place(TensorList& tensors, const Options& opts, OpType type,
                                            GlooCall gloo_call) {
+    agree({c10d::opTypeToString(type) + "(" + describe(opts.reduceOp) + ") " + describe(tensors)});
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
@@ -396,6 +443,8 @@ class OcclBackend : public Backend {
   // (partial reductions), as with gloo on the CPU, and AVG divides it there too, as gloo on the
   // CPU does (NCCL leaves non-root tensors unchanged; docs/distributed.md).
   c10::intrusive_ptr<Work> reduce(TensorList& tensors, const c10d::ReduceOptions& opts) override {
+    agree({"REDUCE(" + describe(opts.reduceOp) + ", root " + std::to_string(opts.rootRank) +
+           ") " + describe(tensors)});
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
@@ -410,6 +459,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> broadcast(TensorList& tensors,
                                       const c10d::BroadcastOptions& opts) override {
+    agree({"BROADCAST(root " + std::to_string(opts.rootRank) + ") " + describe(tensors)});
     Call call;
     TensorList a = call.alias(tensors);
     call.start();
@@ -418,6 +468,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> allgather(std::vector<TensorList>& outputs, TensorList& inputs,
                                      const c10d::AllgatherOptions& opts) override {
+    agree({"ALLGATHER " + describe(inputs) + " -> " + describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -427,6 +478,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::AllgatherOptions& opts) override {
+    agree({"ALLGATHER_BASE " + describe(input) + " -> " + describe(output)});
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -437,6 +489,7 @@ class OcclBackend : public Backend {
   c10::intrusive_ptr<Work> allgather_coalesced(std::vector<TensorList>& outputs,
                                                TensorList& inputs,
                                                const c10d::AllgatherOptions& opts) override {
+    agree({"ALLGATHER_COALESCED " + describe(inputs) + " -> " + describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -447,6 +500,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
       TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions& opts) override {
+    agree({"ALLGATHER_INTO_TENSOR_COALESCED " + describe(inputs) + " -> " + describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -457,6 +511,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
                                   const c10d::GatherOptions& opts) override {
+    // only the root has outputs
+    agree({"GATHER(root " + std::to_string(opts.rootRank) + ") " + describe(inputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -466,6 +522,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
                                    const c10d::ScatterOptions& opts) override {
+    // only the root has inputs
+    agree({"SCATTER(root " + std::to_string(opts.rootRank) + ") " + describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -475,6 +533,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter(TensorList& outputs, std::vector<TensorList>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
+    agree({"REDUCE_SCATTER(" + describe(opts.reduceOp) + ") " + describe(inputs) + " -> " +
+           describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -491,6 +551,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::ReduceScatterOptions& opts) override {
+    agree({"REDUCE_SCATTER_BASE(" + describe(opts.reduceOp) + ") " + describe(input) + " -> " +
+           describe(output)});
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -506,6 +568,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
       TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) override {
+    agree({"REDUCE_SCATTER_TENSOR_COALESCED(" + describe(opts.reduceOp) + ") " +
+           describe(inputs) + " -> " + describe(outputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -524,6 +588,7 @@ class OcclBackend : public Backend {
                                          std::vector<int64_t>& output_splits,
                                          std::vector<int64_t>& input_splits,
                                          const c10d::AllToAllOptions& opts) override {
+    agree(all_to_all_single(output, input, output_splits, input_splits));
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -534,6 +599,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> alltoall(TensorList& outputs, TensorList& inputs,
                                     const c10d::AllToAllOptions& opts) override {
+    agree(all_to_all(outputs, inputs));
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -563,6 +629,7 @@ class OcclBackend : public Backend {
   }
 
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
+    agree({"BARRIER"});
     Call call;
     call.start();
     return record(call.finish(OpType::BARRIER, gloo_->barrier(opts), {}));
@@ -578,11 +645,103 @@ class OcclBackend : public Backend {
     for (const auto& l : ls) out.insert(out.end(), l.begin(), l.end());
     return out;
   }
+  // all-to-all: each rank may send and receive a different number of elements per peer; the
+  // records carry them, and the description only what every rank shares (dtype, row shape).
+  Signature all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                              const std::vector<int64_t>& output_splits,
+                              const std::vector<int64_t>& input_splits) const {
+    const int n = getSize();
+    auto per_peer = [n](const at::Tensor& t, const std::vector<int64_t>& splits) {
+      const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+      const int64_t row = rows > 0 ? t.numel() / rows : 0;
+      std::vector<int64_t> counts(n, rows / n * row);
+      if (!splits.empty())
+        for (int j = 0; j < n && j < static_cast<int>(splits.size()); ++j)
+          counts[j] = splits[j] * row;
+      return counts;
+    };
+    std::ostringstream text;  // the rows' shape: "Float[*, 3]"
+    text << "ALLTOALL_BASE " << input.scalar_type() << "[*";
+    for (int64_t d = 1; d < input.dim(); ++d) text << ", " << input.size(d);
+    text << "]";
+    return {text.str(), per_peer(input, input_splits), per_peer(output, output_splits)};
+  }
+  Signature all_to_all(const TensorList& outputs, const TensorList& inputs) const {
+    Signature sig{"ALLTOALL " +
+                  (inputs.empty() ? std::string() : std::string(c10::toString(inputs[0].scalar_type())))};
+    for (const auto& t : inputs) sig.sends.push_back(t.numel());
+    for (const auto& t : outputs) sig.receives.push_back(t.numel());
+    return sig;
+  }
+
   static at::Tensor scaled_copy(const Reduction& r, const at::Tensor& t) {
     at::Tensor c = t.clone();
     premultiply(r, c);
     return c;
   }
+
+  // [docs:start OCCL_AGREE_CALL]
+  // Raises on every rank when the ranks are not about to run the same collective (see
+  // Signature). Errors of the exchange itself (a timeout, a peer gone) are gloo's, as the
+  // collective's own would have been.
+  void agree(const Signature& mine) {
+    const int n = getSize();
+    if (!check_ || n == 1) return;
+    const int64_t width = 1 + 2 * n;
+    at::Tensor record = at::zeros({width}, at::kLong);
+    int64_t* r = record.data_ptr<int64_t>();
+    r[0] = static_cast<int64_t>(fnv1a(mine.text));
+    for (size_t j = 0; j < mine.sends.size() && j < static_cast<size_t>(n); ++j)
+      r[1 + j] = mine.sends[j];
+    for (size_t j = 0; j < mine.receives.size() && j < static_cast<size_t>(n); ++j)
+      r[1 + n + j] = mine.receives[j];
+    at::Tensor records = at::empty({n * width}, at::kLong);
+    gloo_->_allgather_base(records, record, c10d::AllgatherOptions())->wait();
+    const int64_t* all = records.data_ptr<int64_t>();
+    std::string counts;  // the first all-to-all count that does not match, if any
+    bool same = true;
+    for (int i = 0; i < n && same; ++i) same = all[i * width] == all[0];
+    for (int i = 0; i < n && same && counts.empty(); ++i)
+      for (int j = 0; j < n && counts.empty(); ++j) {
+        const int64_t sent = all[i * width + 1 + j], expected = all[j * width + 1 + n + i];
+        if (sent != expected)
+          counts = "rank " + std::to_string(i) + " sends " + std::to_string(sent) +
+                   " elements to rank " + std::to_string(j) + ", which expects " +
+                   std::to_string(expected) + " from it";
+      }
+    if (same && counts.empty()) return;
+    // Every rank saw the same records, so every rank is here: exchange the descriptions.
+    constexpr int64_t kText = 256;
+    at::Tensor text = at::zeros({kText}, at::kByte);
+    std::memcpy(text.data_ptr(), mine.text.data(),
+                std::min<size_t>(mine.text.size(), kText - 1));
+    at::Tensor texts = at::empty({n * kText}, at::kByte);
+    gloo_->_allgather_base(texts, text, c10d::AllgatherOptions())->wait();
+    std::vector<std::pair<std::string, std::vector<int>>> calls;  // description, its ranks
+    for (int i = 0; i < n; ++i) {
+      std::string call(reinterpret_cast<const char*>(texts.data_ptr<uint8_t>() + i * kText));
+      auto it = std::find_if(calls.begin(), calls.end(),
+                             [&](const auto& c) { return c.first == call; });
+      if (it == calls.end()) {
+        calls.push_back({call, {i}});
+      } else {
+        it->second.push_back(i);
+      }
+    }
+    std::string message = "occl: Detected mismatch between collectives on ranks: ";
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const auto& ranks = calls[i].second;
+      message += std::string(i ? "; " : "") + (ranks.size() > 1 ? "ranks " : "rank ");
+      for (size_t k = 0; k < ranks.size(); ++k)
+        message += (k ? ", " : "") + std::to_string(ranks[k]);
+      message += " called " + calls[i].first;
+    }
+    if (!counts.empty()) message += ", but " + counts;
+    TORCH_CHECK(false, message,
+                ". occl compares each collective's shapes across the group before running it "
+                "(OPENREG_OCCL_CHECK=0 turns this off; docs/distributed.md)");
+  }
+  // [docs:end OCCL_AGREE_CALL]
 
   c10::intrusive_ptr<Work> record(c10::intrusive_ptr<Work> work) {
     std::lock_guard guard(coalescing_mutex_);
@@ -591,6 +750,7 @@ class OcclBackend : public Backend {
   }
 
   c10::intrusive_ptr<Backend> gloo_;
+  bool check_;
   std::mutex coalescing_mutex_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<Work>> coalesced_;
@@ -598,9 +758,10 @@ class OcclBackend : public Backend {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo) {
+c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo,
+                                                    bool check) {
   TORCH_CHECK(gloo, "occl: needs a gloo backend underneath");
-  return c10::make_intrusive<OcclBackend>(std::move(gloo));
+  return c10::make_intrusive<OcclBackend>(std::move(gloo), check);
 }
 
 void bind_occl_backend(pybind11::module_& m) {

@@ -8,7 +8,9 @@ namespace openreg {
 
 // An occl backend running its collectives through `gloo` (a ProcessGroupGloo of the same group
 // rank and size) on CPU aliases of the device memory. torch_openreg/distributed.py creates both.
-c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo);
+// With `check`, every collective first compares its shapes across the group (docs/distributed.md).
+c10::intrusive_ptr<c10d::Backend> make_occl_backend(c10::intrusive_ptr<c10d::Backend> gloo,
+                                                    bool check = true);
 
 // torch_openreg._C._OcclBackend, the Python type of occl backends.
 void bind_occl_backend(pybind11::module_& m);

@@ -231,7 +231,7 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- distributed (adapters/distributed.cpp): the occl c10d backend over a gloo backend
   openreg::bind_occl_backend(m);
-  m.def("_occl_backend", &openreg::make_occl_backend);
+  m.def("_occl_backend", &openreg::make_occl_backend, py::arg("gloo"), py::arg("check") = true);
 
   // ---- IPC (adapters/ipc.cpp): device storages shared with other processes
   m.def("_ipc_export", [](py::handle obj) {
