@@ -4,6 +4,7 @@ generates C++ kernels that run on device memory, in stream order (torch_openreg/
 Every result is compared with eager execution on the CPU. Generated code is inspected through
 ``run_and_get_code``: its kernels, its allocations and its launches must be openreg's.
 """
+import copy
 import os
 import subprocess
 import sys
@@ -491,6 +492,49 @@ def test_channels_last_cnn_training_step_matches_eager():
         got = grads(torch.compile(model))
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_channels_last_cnn_with_dynamic_shapes_matches_cpu():
+    # dynamic=True: FakeTensor predicts the convolutions' layouts with symbolic sizes, and
+    # Inductor turns its layout optimization off for symbolic convolutions (on every device), so
+    # the graph sees channels-last inputs and parameters with NCHW convolution results. One graph
+    # for every batch size, generated for openreg with symbolic sizes, forward and backward.
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.MaxPool2d(2), nn.Conv2d(8, 4, 3, padding=1), nn.Flatten(),
+                              nn.Linear(4 * 4 * 4, 5)).to(memory_format=torch.channels_last)
+    model = copy.deepcopy(cpu_model).to("openreg")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, dynamic=True, backend=counter)
+    for i, batch in enumerate((2, 3, 5)):
+        x = torch.randn(batch, 3, 8, 8).to(memory_format=torch.channels_last)
+        xo = x.to("openreg").requires_grad_()
+        xc = x.clone().requires_grad_()
+
+        def step():
+            loss = compiled(xo).square().mean()
+            loss.backward()
+            return loss
+
+        if i == 0:
+            loss, codes = run_and_get_code(step)
+            frames = counter.frame_count
+            assert len(codes) == 2  # forward and backward
+            for code in codes:
+                assert "openreg_launch_0" in code and "empty_strided_openreg" in code
+                assert "ks0" in code or "s0" in code  # sizes are symbols, not 2
+        else:
+            loss = step()
+            assert counter.frame_count == frames  # no recompilation for another batch size
+        ref = cpu_model(xc).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss.detach().cpu(), ref.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xo.grad.cpu(), xc.grad, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), cpu_model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+            p.grad = q.grad = None
+        for b, c in zip(model.buffers(), cpu_model.buffers()):  # BatchNorm running statistics
+            torch.testing.assert_close(b.cpu(), c, rtol=1e-4, atol=1e-5)
 
 
 def test_tiny_transformers_model_matches_cpu(monkeypatch):
