@@ -1,6 +1,7 @@
 # Two entry points that work on a fresh machine (see README.md):
 #   make demo   - set up .venv, build torch_openreg, train a small model on openreg
-#   make test   - set up .venv, build torch_openreg, run the test suite, build the guide
+#   make test   - set up .venv, build torch_openreg, run the test suite twice (the default mode,
+#                 then the asynchronous kernel mode, OPENREG_ASYNC=1), build the guide
 #   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,8 +25,11 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m torch_openreg.demo
 
+# The second run queues every kernel on its stream (docs/async_mode.md): correct programs must
+# give the same results, and a test missing a synchronization shows.
 test: install
 	$(PY) -m pytest -q tests
+	OPENREG_ASYNC=1 $(PY) -m pytest -q tests
 	$(MAKE) docs
 
 # The guide as one Sphinx + MyST site. -W: every warning fails the build, among them a link to a

@@ -13,3 +13,15 @@ assert hasattr(torch, "openreg"), (
 def device(request):
     """Both simulated devices: tests using it run once per device."""
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def devices_idle_after_each_test():
+    """Each test ends with its device work done: what it queued (the asynchronous kernel mode,
+    `OPENREG_ASYNC=1`, queues every kernel; `non_blocking` copies are queued in every mode) has
+    run, and an error of that work is reported by the test that queued it, not by the next
+    synchronizing call of another test."""
+    yield
+    if torch.openreg.is_initialized():
+        for index in range(torch.openreg.device_count()):
+            torch.openreg.synchronize(index)

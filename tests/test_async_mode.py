@@ -28,6 +28,15 @@ def asynchronous():
         torch.openreg.synchronize()
 
 
+def warm_up(*calls):
+    """Runs each call once: the first call of an operator with a given signature runs
+    synchronously (the CPU kernel checks the arguments at the call), the later ones are queued
+    (docs/async_mode.md). A test that holds a stream warms up what it issues inside the hold."""
+    for call in calls:
+        call()
+    torch.openreg.synchronize()
+
+
 def release_later(hold, seconds=0.2):
     """Opens an entered hold_stream from another thread after `seconds`."""
     timer = threading.Timer(seconds, lambda: hold.__exit__(None, None, None))
@@ -72,6 +81,8 @@ def test_environment_variable_turns_the_mode_on():
 
 def test_host_returns_before_the_kernel_ran(asynchronous):
     x = torch.ones(N, device="openreg")
+    scratch = torch.ones(N, device="openreg")
+    warm_up(lambda: scratch + 1, lambda: scratch.mul_(3))
     before = async_mode.counts()["queued"]
     with hold_stream() as held:
         y = x + 1  # would block until the hold times out if the host waited for the kernel
@@ -87,6 +98,8 @@ def test_missing_synchronization_reads_the_old_value(asynchronous):
     x = torch.ones(N, device="openreg")
     torch.openreg.synchronize()  # the fill is queued too: without this, `side` could read
                                  # x before it ran (the kind of bug this mode shows)
+    scratch = torch.ones(N, device="openreg")
+    warm_up(lambda: scratch.add_(1), lambda: scratch.clone())
     side = torch.openreg.Stream()
     with hold_stream():
         x.add_(1)  # queued on the default stream, behind the hold
@@ -154,7 +167,7 @@ READERS = {
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_synchronizing_calls_wait_for_queued_kernels(asynchronous, reader):
     x = torch.zeros(3, device="openreg")
-    torch.openreg.synchronize()
+    warm_up(lambda: torch.zeros(3, device="openreg").add_(5), lambda: x * 1)
     hold = hold_stream()
     hold.__enter__()
     x.add_(5)  # queued behind the hold, which opens in 0.2 s
@@ -189,6 +202,9 @@ def test_work_on_another_stream_runs_while_one_is_held(asynchronous):
 def test_error_of_a_queued_kernel_surfaces_at_the_next_synchronization(asynchronous):
     x = torch.ones(3, device="openreg")
     index = torch.tensor([0, 7], device="openreg")
+    # The first call of this signature runs synchronously (it would raise here); later ones are
+    # queued.
+    warm_up(lambda: x.gather(0, torch.tensor([0, 2], device="openreg")))
     y = x.gather(0, index)  # the CPU kernel refuses index 7, later: no error here
     assert y.shape == (2,)
     with pytest.raises(RuntimeError) as excinfo:
@@ -204,6 +220,7 @@ def test_error_of_a_queued_kernel_surfaces_at_the_next_synchronization(asynchron
 def test_error_of_a_queued_kernel_surfaces_at_item(asynchronous):
     x = torch.ones(3, device="openreg")
     index = torch.tensor([0, 7], device="openreg")
+    warm_up(lambda: x.gather(0, torch.tensor([0, 2], device="openreg")).sum())
     total = x.gather(0, index).sum()
     with pytest.raises(RuntimeError, match="(?s)asynchronous error.*index 7 is out of bounds"):
         total.item()
@@ -317,6 +334,10 @@ torch.openreg.set_async(True)
 N = 4096
 side = torch.openreg.Stream()
 default = torch.openreg.current_stream()
+# The first call of a signature runs synchronously: warm up what runs inside the holds.
+torch.ones(N, device="openreg") * 10
+torch.ones(3 << 20, device="openreg") * 10
+torch.openreg.synchronize()
 
 # 1. Freed on the host while a queued kernel reads it: reused in stream order only.
 x = torch.full((N,), 2.0, device="openreg"); torch.openreg.synchronize()
@@ -378,6 +399,37 @@ def test_memory_is_reused_in_stream_order_only():
     assert lines[4] == "empty_cache: ok"
 
 
+# ---------------------------------------------------------------- random numbers
+
+def test_random_operators_draw_in_program_order(asynchronous):
+    # Random operators run synchronously, after the work queued on their stream: each takes the
+    # generator's state at the call, in the host's program order, as CUDA takes its Philox
+    # offset at the launch; get_rng_state/set_rng_state/manual_seed see every draw issued before.
+    def draws():
+        torch.openreg.manual_seed(7)
+        side = torch.openreg.Stream()
+        ones = torch.ones(1000, device="openreg")
+        a = ones * torch.randn(1000, device="openreg")
+        with torch.openreg.stream(side):
+            side.wait_stream(torch.openreg.default_stream())
+            b = torch.rand(1000, device="openreg") + ones
+        torch.openreg.current_stream().wait_stream(side)
+        state = torch.openreg.get_rng_state()
+        c = torch.nn.functional.dropout(ones, 0.5)
+        torch.openreg.set_rng_state(state)
+        d = torch.nn.functional.dropout(ones, 0.5)
+        e = torch.randint(0, 100, (1000,), device="openreg")
+        torch.openreg.synchronize()
+        return [t.cpu() for t in (a, b, c, d, e)]
+
+    asynchronous_draws = draws()
+    with torch.openreg.set_async(False):
+        default_draws = draws()
+    for x, y in zip(asynchronous_draws, default_draws):
+        assert torch.equal(x, y)
+    assert torch.equal(asynchronous_draws[2], asynchronous_draws[3])
+
+
 # ---------------------------------------------------------------- profiler
 
 def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
@@ -385,7 +437,7 @@ def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
     from torch.profiler import ProfilerActivity, profile
 
     a = torch.randn(64, 64, device="openreg")
-    torch.openreg.synchronize()
+    warm_up(lambda: torch.mm(a, a))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
         with hold_stream():
             torch.mm(a, a)

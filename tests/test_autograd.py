@@ -207,6 +207,11 @@ def test_exit_is_not_held_up_by_a_backward_that_never_ends():
 
 
 # --- where the device threads run (csrc/adapters/autograd.cpp, FOLLOW_CALLER) --------------------
+# These tests are about the default mode, in which a device thread runs backward's kernels itself.
+# In the asynchronous kernel mode (OPENREG_ASYNC=1, docs/async_mode.md) the device thread only
+# queues them and the streams' workers run them: the tests pin the default mode (set_async(False),
+# OPENREG_ASYNC=0 for their scripts), so that the suite's second run (OPENREG_ASYNC=1) checks them
+# too.
 
 
 def _device_thread_affinity(device):
@@ -235,7 +240,8 @@ def following():
     assert len(mask) >= 2, "this test needs 2 cores"
     before = _C._autograd_follow_caller()
     _C._set_autograd_follow_caller(True)
-    yield sorted(mask)
+    with torch.openreg.set_async(False):
+        yield sorted(mask)
     _C._set_autograd_follow_caller(before)
     os.sched_setaffinity(0, mask)
 
@@ -307,7 +313,7 @@ def test_following_is_off_unless_the_environment_asks_for_it():
         print("ok")
     """)
     for value in (None, "0", "1"):
-        env = dict(os.environ)
+        env = dict(os.environ, OPENREG_ASYNC="0")
         env.pop("OPENREG_AUTOGRAD_FOLLOW_CALLER", None)
         if value is not None:
             env["OPENREG_AUTOGRAD_FOLLOW_CALLER"] = value
@@ -317,7 +323,7 @@ def test_following_is_off_unless_the_environment_asks_for_it():
 
 
 def _run_following(script):
-    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1")
+    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1", OPENREG_ASYNC="0")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env)
 
@@ -376,10 +382,11 @@ def test_device_thread_counters_count_the_kernels_of_backward_only(device):
     x = torch.ones(64, device=device, requires_grad=True)
     _C._reset_device_thread_stats()
     try:
-        y = (x * 2).sin()  # forward: kernels on this thread, not counted
-        assert _C._device_thread_stats()["kernels"] == 0
-        y.sum().backward()
-        stats = _C._device_thread_stats()
+        with torch.openreg.set_async(False):  # the default mode: the device thread runs kernels
+            y = (x * 2).sin()  # forward: kernels on this thread, not counted
+            assert _C._device_thread_stats()["kernels"] == 0
+            y.sum().backward()
+            stats = _C._device_thread_stats()
     finally:
         _C._reset_device_thread_stats(False)
     assert stats["kernels"] >= 2  # at least the backward of sin and of mul

@@ -117,21 +117,43 @@ def test_numpy_on_a_device_tensor_raises_type_error(device):
 
 # ---- errors of CPU kernels: the CPU's exception type and message, unchanged ----
 
+ASYNC_ERROR = "openreg: asynchronous error on stream"
+
+
+def on_the_data(call):
+    """Marks a bad input that a kernel can only find in the values of its tensors (an index out
+    of range, a division by zero). In the asynchronous kernel mode (OPENREG_ASYNC=1,
+    docs/async_mode.md) such an error is raised at the call only by the first call of the
+    operator with that signature (dtypes, shapes, ...); otherwise the kernel was queued, and the
+    error is reported at the next synchronization, as a GPU reports a device-side error."""
+    call.on_the_data = True
+    return call
+
+
 def raised(call, device):
-    """(type, message) of what ``call(device)`` raises, or None if it returns."""
+    """(type, message) of what ``call(device)`` raises, or None if it returns. For an error found
+    on the data in the asynchronous kernel mode, the next synchronization is part of the call."""
     try:
         call(device)
+        if getattr(call, "on_the_data", False) and str(device) != "cpu":
+            torch.openreg.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any exception is compared
         return type(e), str(e)
     return None
 
 
 def assert_same_error(call, device):
-    """``call`` fails on the CPU and on ``device`` with the same exception type and message."""
+    """``call`` fails on the CPU and on ``device`` with the same exception type and message (an
+    error found on the data may be reported asynchronously, with the CPU's message, in the
+    asynchronous kernel mode)."""
     on_cpu = raised(call, "cpu")
     assert on_cpu is not None, "the CPU accepted the input: not a bad input"
     on_device = raised(call, device)
     assert on_device is not None, f"openreg accepted what the CPU refuses: {on_cpu}"
+    if on_device[1].startswith(ASYNC_ERROR) and getattr(call, "on_the_data", False):
+        assert torch.openreg.is_async(), on_device
+        assert on_device[0] is RuntimeError and on_cpu[1] in on_device[1], (on_device, on_cpu)
+        return
     assert on_device == on_cpu
 
 
@@ -142,24 +164,24 @@ def assert_same_error(call, device):
     lambda d: -torch.ones(3, dtype=torch.bool, device=d),
     lambda d: torch.ones(2, 2, dtype=torch.int64, device=d).inverse(),
     lambda d: torch.ones(2, 3, device=d) @ torch.ones(4, 5, device=d),
-    lambda d: torch.ones(3, device=d)[torch.tensor([5], device=d)],
+    on_the_data(lambda d: torch.ones(3, device=d)[torch.tensor([5], device=d)]),
     lambda d: torch.ones(3, device=d).narrow_copy(-5, 0, 1),
     lambda d: torch.ones(3, device=d).narrow_copy(0, 2, 5),
     lambda d: torch.ones(2, 3, device=d).sum(dim=4),
     lambda d: torch.cat([torch.ones(2, 3, device=d), torch.ones(2, 4, device=d)]),
     lambda d: torch.ones(3, device=d).gather(0, torch.tensor([[0]], device=d)),
-    lambda d: torch.ones(3, device=d).scatter_(0, torch.tensor([7], device=d), 1.0),
+    on_the_data(lambda d: torch.ones(3, device=d).scatter_(0, torch.tensor([7], device=d), 1.0)),
     lambda d: torch.ones(2, 2, device=d).reshape(3),
     lambda d: torch.ones(3, device=d).softmax(dim=2),
-    lambda d: torch.nn.functional.cross_entropy(torch.ones(2, 3, device=d),
-                                                torch.tensor([0, 5], device=d)),
+    on_the_data(lambda d: torch.nn.functional.cross_entropy(torch.ones(2, 3, device=d),
+                                                            torch.tensor([0, 5], device=d))),
     lambda d: torch.ones(3, device=d).add_(torch.ones(2, 3, device=d)),
-    lambda d: torch.arange(3, device=d) // 0,
+    on_the_data(lambda d: torch.arange(3, device=d) // 0),
     lambda d: torch.ones(3, dtype=torch.complex32, device=d) ** 2,
     lambda d: torch.ones(3, device=d).to(torch.int64).lerp(torch.ones(3, device=d), 0.5),
     lambda d: torch.ones(3, device=d).topk(5),
     lambda d: torch.ones(2, 3, device=d).view(4),
-    lambda d: torch.multinomial(torch.zeros(3, device=d), 1),
+    on_the_data(lambda d: torch.multinomial(torch.zeros(3, device=d), 1)),
 ], ids=["cummax-complex", "clamp-complex", "bitwise-and-float", "neg-bool", "inverse-int",
         "mm-shapes", "index-out-of-bounds", "narrow_copy-dim", "narrow_copy-length", "sum-dim",
         "cat-sizes", "gather-dims", "scatter-index", "reshape", "softmax-dim", "cross-entropy-target",
@@ -176,9 +198,10 @@ def test_integer_division_by_zero_raises_like_the_cpu(device):
     # raise, and so does openreg.
     for op in (torch.div, torch.floor_divide, torch.remainder, torch.fmod):
         kwargs = {"rounding_mode": "trunc"} if op is torch.div else {}
-        with pytest.raises(RuntimeError, match="^ZeroDivisionError$"):
-            op(torch.arange(3, device=device), torch.zeros(3, dtype=torch.int64, device=device),
-               **kwargs)
+        call = on_the_data(lambda d: op(torch.arange(3, device=d),
+                                        torch.zeros(3, dtype=torch.int64, device=d), **kwargs))
+        assert raised(call, "cpu") == (RuntimeError, "ZeroDivisionError")
+        assert_same_error(call, device)
     # Float division by zero follows IEEE on every device.
     assert torch.isinf((torch.ones(1, device=device) / 0).cpu()).all()
 

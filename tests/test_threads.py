@@ -141,6 +141,7 @@ def test_synchronize_sleeps_while_another_thread_runs_a_kernel():
             started.set()
             for _ in range(3):
                 a.cumsum(0)
+            s.synchronize()  # its kernels may still be queued (asynchronous kernel mode)
 
     t = threading.Thread(target=long_kernel)
     t.start()

@@ -545,13 +545,17 @@ class Launch {
 
 namespace {
 // [docs:start ASYNC_SIGNATURES]
-// The signature cache, for operators without a C++ meta kernel: the first call with a given
-// signature (the operator, every tensor's dtype, sizes, strides, offset and which arguments
-// share a storage, every other argument's value) runs synchronously, which checks the arguments
-// with the CPU kernel itself (its errors raised at the call) and shows the outputs: their
-// metadata and whether each is an argument, a view of an argument's storage or fresh memory.
-// Later calls with the same signature are queued, their outputs made from what was learned.
-// Output shapes that depend on the data are excluded by the operator's tags (OpPlan).
+// The signature cache. The first call of every operator with a given signature (the operator,
+// every tensor's dtype, sizes, strides, offset and which arguments share a storage, every other
+// argument's value) runs synchronously: the CPU kernel itself checks the arguments, so what it
+// refuses (a dtype it has no kernel for, an argument out of its range, overlapping memory) is
+// raised at the call with the CPU's type and message, as CUDA refuses such launches on the host.
+// For operators without a C++ meta kernel, that run also shows the outputs: their metadata and
+// whether each is an argument, a view of an argument's storage or fresh memory; later calls with
+// the same signature are queued, their outputs made from what was learned. Output shapes that
+// depend on the data are excluded by the operator's tags (OpPlan). Operators whose outputs come
+// from a meta function key a float argument by its kind only (its value does not change the
+// outputs' metadata): an optimizer's changing step size does not make each step a new signature.
 struct Learned {
   bool replayable = false;
   std::vector<std::vector<Launch::Learned>> returns;  // per return: one tensor or a list
@@ -562,7 +566,7 @@ void put(std::string& key, int64_t v) { key.append(reinterpret_cast<const char*>
 
 // The signature of a call, or false if an argument cannot be part of one.
 bool signature(const c10::OperatorHandle& op, const c10::Stack& stack, size_t first,
-               size_t num_args, std::string& key) {
+               size_t num_args, bool exact_floats, std::string& key) {
   std::vector<const c10::StorageImpl*> storages;
   put(key, int64_t(reinterpret_cast<uintptr_t>(&op.schema())));
   auto tensor = [&](const at::Tensor& t) {
@@ -609,7 +613,7 @@ bool signature(const c10::OperatorHandle& op, const c10::Stack& stack, size_t fi
       put(key, v.toBool());
     } else if (v.isDouble()) {
       put(key, -16);
-      double d = v.toDouble();
+      double d = exact_floats ? v.toDouble() : 0.0;
       int64_t bits;
       std::memcpy(&bits, &d, sizeof bits);
       put(key, bits);
@@ -630,7 +634,7 @@ bool signature(const c10::OperatorHandle& op, const c10::Stack& stack, size_t fi
         if (e.isInt()) put(key, e.toInt());
         else if (e.isBool()) put(key, e.toBool() ? -21 : -22);
         else if (e.isDouble()) {
-          double d = e.toDouble();
+          double d = exact_floats ? e.toDouble() : 0.0;
           int64_t bits;
           std::memcpy(&bits, &d, sizeof bits);
           put(key, bits);
@@ -707,6 +711,25 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
   const OpPlan& plan = plan_for(op, s);
   const bool checked = std::exchange(t_checked_by_wrapper, false);
   if (!plan.eligible) return Route::Synchronous;
+  const size_t num_args = s.kinds.size();
+  const size_t first = stack->size() - num_args;
+  const Learned* learned = nullptr;
+  // The `.out` call of a structured wrapper was checked with the wrapper's own call.
+  if (!checked || !plan.returns_written_args) {
+    const bool replay = !plan.structured_wrapper && !plan.cpp_meta;
+    std::string key;
+    if (!signature(op, *stack, first, num_args, /*exact_floats=*/replay, key))
+      return Route::Synchronous;
+    auto it = t_learned.find(key);
+    if (it == t_learned.end()) {
+      learn_synchronously(op, stack, device, s, std::move(key));
+      return Route::Wrapper;  // ran (synchronously), not counted as queued
+    }
+    if (replay) {
+      if (!it->second.replayable) return Route::Synchronous;
+      learned = &it->second;
+    }
+  }
   if (plan.structured_wrapper) {
     // The wrapper runs here, on device tensors: its C++ meta function checks the arguments (the
     // CPU's errors, raised now) and its outputs are allocated on the device; the `.out` call it
@@ -720,23 +743,8 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
     op.redispatchBoxed(c10::DispatchKeySet(kWrapperKey), stack);
     return Route::Wrapper;
   }
-  const size_t num_args = s.kinds.size();
-  const size_t first = stack->size() - num_args;
   const size_t num_returns = op.schema().returns().size();
-  bool with_meta = !(checked && plan.returns_written_args);
-  const Learned* learned = nullptr;
-  if (with_meta && !plan.cpp_meta) {
-    std::string key;
-    if (!signature(op, *stack, first, num_args, key)) return Route::Synchronous;
-    auto it = t_learned.find(key);
-    if (it == t_learned.end()) {
-      learn_synchronously(op, stack, device, s, std::move(key));
-      return Route::Wrapper;  // ran (synchronously), not counted as queued
-    }
-    if (!it->second.replayable) return Route::Synchronous;
-    learned = &it->second;
-    with_meta = false;
-  }
+  const bool with_meta = !(checked && plan.returns_written_args) && learned == nullptr;
 
   // 1. Meta and CPU forms of the arguments (device tensors sharing a storage share one).
   Launch launch(device, with_meta);

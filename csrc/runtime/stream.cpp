@@ -74,9 +74,11 @@ class Stream {
  public:
   Stream(int device, int64_t id) : device_(device), id_(id) {}
 
-  // state_: bit 0 = a kernel or a task of the stream runs; the rest = 2 x queued tasks.
+  // state_: bit 0 = a kernel or a task of the stream runs; bit 1 = what runs is a kernel of a
+  // host thread (LaunchScope); the rest = 4 x queued tasks.
   static constexpr uint32_t kRunning = 1;
-  static constexpr uint32_t kQueued = 2;
+  static constexpr uint32_t kHostKernel = 2;
+  static constexpr uint32_t kQueued = 4;
 
   bool idle() const { return state_.load(std::memory_order_acquire) == 0; }
 
@@ -89,12 +91,14 @@ class Stream {
     waiters_.fetch_sub(1);
   }
 
-  void end_kernel() { finish(kRunning); }
+  void end_kernel() { finish(kRunning + kHostKernel); }
 
   // `task` runs on the worker; `after` (optional) runs once the task counts as done, i.e. after
   // the stream's state was updated: an event completed there is never observed before
   // query() of the stream sees the work behind which it was recorded as finished.
-  void enqueue(std::function<void()> task, std::function<void()> after = nullptr) {
+  // Returns whether a host thread's kernel held the stream when the task was queued (the task
+  // is behind it in stream order).
+  bool enqueue(std::function<void()> task, std::function<void()> after = nullptr) {
     std::lock_guard lock(mutex_);
     if (!worker_started_) {
       lazy_init();  // a forked child of a process with workers must know it is a bad fork
@@ -103,8 +107,19 @@ class Stream {
       worker_started_ = true;
     }
     queue_.push_back({std::move(task), std::move(after)});
-    state_.fetch_add(kQueued);
+    const uint32_t before = state_.fetch_add(kQueued);
     work_cv_.notify_one();
+    return (before & kHostKernel) != 0;
+  }
+
+  // Waits until no host thread's kernel holds the stream. Called after queueing a task while
+  // one did: no other host kernel can begin before that task ran (the stream is not idle).
+  void wait_for_host_kernel() {
+    if ((state_.load() & kHostKernel) == 0) return;
+    std::unique_lock lock(mutex_);
+    waiters_.fetch_add(1);
+    cv_.wait(lock, [&] { return (state_.load() & kHostKernel) == 0; });
+    waiters_.fetch_sub(1);
   }
 
   void rethrow_async_error() {
@@ -137,7 +152,7 @@ class Stream {
  private:
   bool try_begin_kernel() {
     uint32_t idle = 0;
-    return state_.compare_exchange_strong(idle, kRunning);
+    return state_.compare_exchange_strong(idle, kRunning + kHostKernel);
   }
 
   // Worker side: queued tasks only wait for the running work to end.
@@ -497,8 +512,13 @@ void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
     int device;
     ~Done() { g_queued_kernels[device].fetch_sub(1); }
   };
+  bool behind_host_kernel;
   try {
-    stream_enqueue(s, [device, kernel = std::move(kernel)] {
+    check_not_forked();
+    if (Capture* c = s->capture())
+      capture_fail(c, "openreg: queueing asynchronous work on a capturing stream is not "
+                      "supported (operation not permitted when stream is capturing)");
+    behind_host_kernel = s->enqueue([device, kernel = std::move(kernel)] {
       Done done{device};
       kernel();
     });
@@ -506,6 +526,15 @@ void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
     g_queued_kernels[device].fetch_sub(1);
     throw;
   }
+  // [docs:start ASYNC_BEHIND_HOST_KERNEL]
+  // A kernel that another host thread runs synchronously on the stream (LaunchScope) comes
+  // before this one in stream order, but it allocates while it runs: memory the caller frees
+  // after this returns (an argument of this kernel, still to be read) would go back to the
+  // caching allocator for the stream and could be handed to that earlier kernel, which would
+  // overwrite it before this kernel read it. So the launch returns only once that kernel ended,
+  // as a synchronous launch waits for it in the default mode.
+  if (behind_host_kernel && !held_here(s)) s->wait_for_host_kernel();
+  // [docs:end ASYNC_BEHIND_HOST_KERNEL]
 }
 
 void wait_for_queued_kernels(int device) {
