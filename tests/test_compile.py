@@ -249,6 +249,29 @@ def test_compiled_code_runs_on_the_current_stream():
     torch.testing.assert_close(result[0].cpu(), host + 1)
 
 
+def test_generated_kernels_of_backward_are_device_thread_kernels():
+    # The compiled backward runs on the device's autograd thread; its generated kernels are that
+    # thread's kernels, like eager ones: counted (benchmarks' --phases) and placed by the same
+    # hook (docs/autograd.md). This backward has generated kernels only: no extern kernel, and
+    # the seed gradient is made on this thread.
+    from torch_openreg import _C
+
+    f = torch.compile(lambda x: (x.sin() * 2).sum())
+    x = torch.randn(4096, device="openreg:0", requires_grad=True)
+    _, (_, backward_code) = run_and_get_code(lambda: f(x).backward())
+    assert "openreg_launch_0" in backward_code and "extern_kernels." not in backward_code
+    x.grad = None
+    _C._reset_device_thread_stats()
+    try:
+        f(x).backward()
+        stats = _C._device_thread_stats()
+    finally:
+        _C._reset_device_thread_stats(False)
+    torch.testing.assert_close(x.grad.cpu(), 2 * x.detach().cpu().cos())
+    assert stats["kernels"] >= 1
+    assert 0 < stats["busy_ns"] <= stats["last_end_ns"] - stats["first_start_ns"]
+
+
 def test_control_flow_subgraphs():
     # torch.cond lowers its branches with Inductor's subgraph wrappers.
     def f(x):
@@ -350,6 +373,44 @@ def test_bool_buffers_are_stored_and_loaded_as_bytes_in_openreg_graphs_only():
                 assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
             else:
                 torch.testing.assert_close(out.cpu(), ref)
+
+
+def test_strided_pooling_kernels_are_vectorized_in_openreg_graphs_only():
+    """Max pooling with indices over NCHW reads its windows with stride 2: 15% of the kernel's
+    operations, above Inductor's CPU limit of 12%, under openreg's 18% (compile.py,
+    STRIDED_LOADS). The openreg kernel is vectorized, the same NCHW graph on the CPU is not, and
+    the pooled values, their indices (through the backward) and the gradients equal the CPU's."""
+    from torch._inductor import config
+    from torch._inductor.codegen.cpp import KernelOpStats
+
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                              nn.MaxPool2d(2))
+    x = torch.randn(2, 3, 4, 32)  # 16 pooled columns: one whole vector
+    limit = KernelOpStats.OVERHEAD_RATIO_THRESHOLD
+    codes, results = {}, {}
+    # The CPU graph without its channels-last layout optimization: the graph openreg compiles.
+    with config.patch(fx_graph_cache=False, layout_optimization=False):
+        for device in ("openreg:0", "cpu"):
+            torch._dynamo.reset()
+            model = copy.deepcopy(cpu_model).to(device)
+            step = torch.compile(model)
+
+            def run():
+                out = step(x.to(device))
+                out.square().sum().backward()
+                return out
+
+            out, codes[device] = run_and_get_code(run)
+            results[device] = [out.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
+    assert KernelOpStats.OVERHEAD_RATIO_THRESHOLD == limit  # torch's value is back
+    ref = cpu_model(x)
+    ref.square().sum().backward()
+    for got in results.values():  # (the convolution's bias gradient is 0 up to rounding)
+        for g, r in zip(got, [ref.detach()] + [p.grad for p in cpu_model.parameters()]):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+    assert "at::vec::maximum" in codes["openreg:0"][0]  # forward: the pooling kernel
+    assert "max_propagate_nan(" in codes["cpu"][0] and "at::vec::maximum" not in codes["cpu"][0]
 
 
 def test_compile_in_another_thread():

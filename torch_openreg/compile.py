@@ -186,6 +186,12 @@ _INDUCTOR_MODULES = ("torch._inductor.codegen.common", "torch._inductor.codegen.
                      "torch._inductor.codegen.cpp")
 _inductor_modules: dict[str, Any] = {}
 
+# The share of an openreg kernel's operations that may access memory with a stride other than 0
+# or 1 before Inductor writes it without vectors (torch's CPU limit: 0.12). 0.18 takes max pooling
+# over NCHW windows (0.15); the CNN's two backward kernels with one strided store in 5 operations
+# (0.2) stay scalar, as on the CPU. See OpenRegKernelProxy (STRIDED_LOADS).
+_STRIDED_RATIO = 0.18
+
 # The scheduler's loop transformations during fusion that it skips for "cpu" nodes only: the C++
 # kernel generator does not support them (loop_reindexing_after_fusion reads a reduction's
 # Triton-style (numel, rnumel) group where C++ scheduling groups by loop sizes: "can't multiply
@@ -326,9 +332,39 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
             return (f"at::vec::VecMask<int32_t,{n}>({nums} != {ints}(0))"
                     f".template cast<float,{self._get_num_vectors(torch.float)}>()")
 
-    class OpenRegKernelProxy(cpp.CppKernelProxy):
-        vec_kernel_cls = OpenRegVecKernel
     # [docs:end BOOL_VECTORS]
+
+    # [docs:start STRIDED_LOADS]
+    class OpenRegKernelProxy(cpp.CppKernelProxy):
+        """Inductor's C++ kernel generation for a group of fused loops, with openreg's vector
+        kernels (BOOL_VECTORS) and openreg's limit on strided loads.
+
+        Inductor's CPU heuristic (``TilingSelect.select_tiling``) writes a kernel without
+        vectors when at least ``KernelOpStats.OVERHEAD_RATIO_THRESHOLD`` (0.12) of its
+        operations access memory with a stride other than 0 or 1. Max pooling with indices
+        over NCHW activations reads 2x2 windows with stride 2: 8 such loads in 53 operations
+        (0.15), so the kernel, with its index and NaN logic, runs one element at a time. CPU
+        graphs rarely meet it: Inductor makes CPU convolution graphs channels-last, where the
+        windows are contiguous along channels; openreg's convolution graphs stay NCHW
+        (pitfall 11). A vectorized kernel gathers a strided operand with one scalar loop per
+        vector, as the scalar kernel reads it anyway, and runs the rest 16 lanes wide: the CNN's
+        compiled forward went from 4.9 to 3.0 ms (docs/compile.md, "Strided loads"). So
+        openreg kernels accept up to ``_STRIDED_RATIO`` of such operations. The threshold is
+        a class attribute read while this kernel is generated; Dynamo compiles one graph at a
+        time (its compile lock), so no other graph's code generation sees it.
+        """
+
+        vec_kernel_cls = OpenRegVecKernel
+
+        def codegen_functions(self, fn_list, var_sizes_list):
+            stats = cpp.KernelOpStats
+            default = stats.OVERHEAD_RATIO_THRESHOLD
+            stats.OVERHEAD_RATIO_THRESHOLD = max(default, _STRIDED_RATIO)
+            try:
+                return super().codegen_functions(fn_list, var_sizes_list)
+            finally:
+                stats.OVERHEAD_RATIO_THRESHOLD = default
+    # [docs:end STRIDED_LOADS]
 
     # [docs:start SCHEDULING]
     class OpenRegScheduling(cpp.CppScheduling):
@@ -346,7 +382,7 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         its fusion pass then runs with the three turned off. Other graphs keep torch's settings.
         """
 
-        kernel_proxy_cls = OpenRegKernelProxy  # bool buffers as bytes (BOOL_VECTORS)
+        kernel_proxy_cls = OpenRegKernelProxy  # BOOL_VECTORS, STRIDED_LOADS
 
         def __init__(self, scheduler):
             super().__init__(scheduler)

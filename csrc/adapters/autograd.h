@@ -21,7 +21,8 @@ void release_autograd_graphs() noexcept;
 
 // [docs:start FOLLOW_CALLER_API]
 // Where the device threads run (autograd.cpp, FOLLOW_CALLER). Every kernel of the generic
-// fallback opens one of these: on a host thread it notes the core the thread runs on; on a device
+// fallback and every kernel Inductor generates (python/module.cpp, KERNEL_LAUNCH) opens one of
+// these: on a host thread it notes the core the thread runs on; on a device
 // thread it moves the thread to that core if it is elsewhere, and counts the kernel for
 // device_thread_stats().
 class DeviceThreadPlacement {
