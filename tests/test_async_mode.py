@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -428,6 +429,30 @@ def test_random_operators_draw_in_program_order(asynchronous):
     for x, y in zip(asynchronous_draws, default_draws):
         assert torch.equal(x, y)
     assert torch.equal(asynchronous_draws[2], asynchronous_draws[3])
+
+
+# ---------------------------------------------------------------- warnings
+
+def test_warnings_of_an_operator_are_given_at_each_call(asynchronous):
+    # std() of one element warns in its CPU kernel, at every call. A GPU user sees an operator's
+    # warnings at the call (the host side of an operator gives them, never a running kernel): the
+    # calls of a signature whose first call warned all run synchronously.
+    x = torch.ones(1, device="openreg")
+    before = async_mode.counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x.std()
+            assert len(caught) == i + 1, [str(w.message) for w in caught]
+    assert all("degrees of freedom is <= 0" in str(w.message) for w in caught)
+    assert async_mode.counts()["queued"] == before["queued"]
+    # A signature whose first call did not warn is queued from its second call on.
+    y = torch.ones(5, device="openreg")
+    before = async_mode.counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y.std(), y.std()
+    assert caught == [] and async_mode.counts()["queued"] == before["queued"] + 1
 
 
 # ---------------------------------------------------------------- profiler
