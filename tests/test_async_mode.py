@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -386,6 +387,50 @@ print("empty_cache: ok")
 """
 
 
+HOST_KERNEL_SCRIPT = """
+import threading, torch
+torch.openreg.set_async(True)
+N = 1 << 16
+lib = torch.library.Library("async_hold_test", "DEF")
+lib.define("hold(Tensor x) -> Tensor")
+entered, release = threading.Event(), threading.Event()
+
+def hold(x):  # runs synchronously (another namespace), holding the default stream
+    entered.set()
+    assert release.wait(60)
+    return x * 3  # allocates its result while it holds the stream
+
+lib.impl("hold", hold, "CPU")
+x = torch.ones(N, device="openreg")
+t = torch.full((N,), 2.0, device="openreg")
+keep = t * 10  # warms up the signature (its first call runs synchronously)
+torch.openreg.synchronize()
+out = {}
+b = threading.Thread(target=lambda: out.setdefault("y", torch.ops.async_hold_test.hold(x)))
+b.start()
+assert entered.wait(60)
+timer = threading.Timer(0.3, release.set)  # the held kernel ends in 0.3 s
+timer.start()
+z = t * 10  # queued behind the held kernel: returns once that kernel ended
+del t  # freed: its block goes back to the stream's cache
+release.set()
+b.join(60)
+timer.join()
+torch.openreg.synchronize()
+print(z[0].item(), out["y"][0].item())
+"""
+
+
+def test_kernel_queued_behind_another_threads_synchronous_kernel_keeps_its_arguments():
+    # Thread b runs a synchronous kernel on the default stream, which allocates its result while
+    # it runs; the main thread queues `t * 10` behind it and frees t. Had the launch returned at
+    # once, the running kernel would be handed t's block and write its result there before
+    # `t * 10` read it (docs/async_mode.md, Memory).
+    result = run_script(HOST_KERNEL_SCRIPT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["20.0", "3.0"]
+
+
 def test_memory_is_reused_in_stream_order_only():
     result = run_script(MEMORY_SCRIPT, {"OPENREG_STRICT_MEMORY": "1"})
     assert result.returncode == 0, result.stderr
@@ -428,6 +473,30 @@ def test_random_operators_draw_in_program_order(asynchronous):
     for x, y in zip(asynchronous_draws, default_draws):
         assert torch.equal(x, y)
     assert torch.equal(asynchronous_draws[2], asynchronous_draws[3])
+
+
+# ---------------------------------------------------------------- warnings
+
+def test_warnings_of_an_operator_are_given_at_each_call(asynchronous):
+    # std() of one element warns in its CPU kernel, at every call. A GPU user sees an operator's
+    # warnings at the call (the host side of an operator gives them, never a running kernel): the
+    # calls of a signature whose first call warned all run synchronously.
+    x = torch.ones(1, device="openreg")
+    before = async_mode.counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            x.std()
+            assert len(caught) == i + 1, [str(w.message) for w in caught]
+    assert all("degrees of freedom is <= 0" in str(w.message) for w in caught)
+    assert async_mode.counts()["queued"] == before["queued"]
+    # A signature whose first call did not warn is queued from its second call on.
+    y = torch.ones(5, device="openreg")
+    before = async_mode.counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y.std(), y.std()
+    assert caught == [] and async_mode.counts()["queued"] == before["queued"] + 1
 
 
 # ---------------------------------------------------------------- profiler

@@ -123,6 +123,7 @@ def test_stream_wait_event_orders_work_across_streams(device, slow_copies):
     side = torch.openreg.Stream(device)
     src = expected().pin_memory()
     racy, ordered = torch.zeros(N, device=device), torch.zeros(N, device=device)
+    side.wait_stream(torch.openreg.current_stream(device))  # zeroed on the current stream (queued there with OPENREG_ASYNC=1)
     with torch.openreg.stream(side):
         racy.copy_(src, non_blocking=True)
         ordered.copy_(src, non_blocking=True)
@@ -140,6 +141,7 @@ def test_stream_wait_event_orders_work_across_streams(device, slow_copies):
 def test_event_wait_with_torch_event_api(device, slow_copies):
     side = torch.Stream(device=device)
     d = torch.zeros(N, device=device)
+    side.wait_stream(torch.accelerator.current_stream(device))  # zeroed on the current stream (queued there with OPENREG_ASYNC=1)
     with side:
         d.copy_(expected().pin_memory(), non_blocking=True)
     e = torch.Event(device=device)
@@ -152,6 +154,7 @@ def test_cross_device_ordering_through_an_event(slow_copies):
     s0, s1 = torch.openreg.Stream(0), torch.openreg.Stream(1)
     src = expected().pin_memory()
     a0, b0 = torch.zeros(N, device="openreg:0"), torch.zeros(N, device="openreg:0")
+    s0.wait_stream(torch.openreg.current_stream(0))  # zeroed on the current stream (queued there with OPENREG_ASYNC=1)
     with torch.openreg.stream(s0):
         a0.copy_(src, non_blocking=True)
         b0.copy_(src, non_blocking=True)

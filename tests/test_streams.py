@@ -257,6 +257,7 @@ def test_another_stream_races_with_a_non_blocking_copy_without_wait_stream(devic
     side = torch.openreg.Stream(device)
     src = expected().pin_memory()
     d = torch.zeros(N, device=device)
+    side.wait_stream(torch.openreg.current_stream(device))  # zeroed on the current stream (queued there with OPENREG_ASYNC=1)
     with torch.openreg.stream(side):
         d.copy_(src, non_blocking=True)
     out = d * 2  # default stream: nothing orders it after the side stream's copy
@@ -269,6 +270,7 @@ def test_wait_stream_orders_later_work_after_the_other_streams_copy(device, slow
     side = torch.openreg.Stream(device)
     src = expected().pin_memory()
     d = torch.zeros(N, device=device)
+    side.wait_stream(torch.openreg.current_stream(device))  # zeroed on the current stream (queued there with OPENREG_ASYNC=1)
     with torch.openreg.stream(side):
         d.copy_(src, non_blocking=True)
     current = torch.openreg.current_stream(device)

@@ -199,7 +199,9 @@ struct WarningBuffer : c10::WarningHandler {
   std::vector<c10::Warning> warnings;
   void process(const c10::Warning& w) override { warnings.push_back(w); }
 };
-// The queued CPU kernel's warnings were given by the meta kernel on the host already.
+// The queued CPU kernel's warnings were given on the host already: by the meta kernel, or by the
+// first call of the signature (a signature whose first call warned is never queued, see
+// Learned::warns). Only a warning that depends on the values of the tensors could be lost here.
 struct DropWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
@@ -558,6 +560,10 @@ namespace {
 // outputs' metadata): an optimizer's changing step size does not make each step a new signature.
 struct Learned {
   bool replayable = false;
+  // The first call gave a warning. A GPU user sees an operator's warnings at the call (they come
+  // from the host side of the operator, never from a running kernel): the calls of a signature
+  // whose CPU kernel warns all run synchronously, so that each gives its warnings where it is made.
+  bool warns = false;
   std::vector<std::vector<Launch::Learned>> returns;  // per return: one tensor or a list
   std::vector<bool> is_list;
 };
@@ -567,7 +573,7 @@ void put(std::string& key, int64_t v) { key.append(reinterpret_cast<const char*>
 // The signature of a call, or false if an argument cannot be part of one.
 bool signature(const c10::OperatorHandle& op, const c10::Stack& stack, size_t first,
                size_t num_args, bool exact_floats, std::string& key) {
-  std::vector<const c10::StorageImpl*> storages;
+  c10::SmallVector<const c10::StorageImpl*, 8> storages;
   put(key, int64_t(reinterpret_cast<uintptr_t>(&op.schema())));
   auto tensor = [&](const at::Tensor& t) {
     if (!t.defined()) return put(key, -1);
@@ -671,11 +677,21 @@ void learn_synchronously(const c10::OperatorHandle& op, c10::Stack* stack, int d
       replayable = false;
   }
   const auto before = launch.written_state();
+  // The warnings go where they would go anyway (Python's warnings): this only notes them.
+  struct NoteWarnings : c10::WarningHandler {
+    c10::WarningHandler* next = c10::WarningUtils::get_warning_handler();
+    bool warned = false;
+    void process(const c10::Warning& w) override {
+      warned = true;
+      next->process(w);
+    }
+  } note;
   {
     struct Reset {
       ~Reset() { t_learning = false; }
     } reset;
     t_learning = true;
+    c10::WarningUtils::WarningHandlerGuard noting(&note);
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), stack);
   }
   // Errors of the CPU kernel propagated above, with its type and message: nothing is learned.
@@ -700,6 +716,7 @@ void learn_synchronously(const c10::OperatorHandle& op, c10::Stack* stack, int d
   }
   // An operator that resized or moved a written argument cannot be replayed from its metadata.
   learned.replayable = replayable && launch.written_state() == before;
+  learned.warns = note.warned;
   if (t_learned.size() >= kMaxLearned) t_learned.clear();
   t_learned.emplace(std::move(key), std::move(learned));
 }
@@ -717,14 +734,17 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
   // The `.out` call of a structured wrapper was checked with the wrapper's own call.
   if (!checked || !plan.returns_written_args) {
     const bool replay = !plan.structured_wrapper && !plan.cpp_meta;
-    std::string key;
+    // Built in a buffer kept by the thread: no allocation for a signature seen before.
+    thread_local std::string key;
+    key.clear();
     if (!signature(op, *stack, first, num_args, /*exact_floats=*/replay, key))
       return Route::Synchronous;
     auto it = t_learned.find(key);
     if (it == t_learned.end()) {
-      learn_synchronously(op, stack, device, s, std::move(key));
+      learn_synchronously(op, stack, device, s, key);
       return Route::Wrapper;  // ran (synchronously), not counted as queued
     }
+    if (it->second.warns) return Route::Synchronous;
     if (replay) {
       if (!it->second.replayable) return Route::Synchronous;
       learned = &it->second;
