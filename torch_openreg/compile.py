@@ -348,7 +348,7 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         windows are contiguous along channels; openreg's convolution graphs stay NCHW
         (pitfall 11). A vectorized kernel gathers a strided operand with one scalar loop per
         vector, as the scalar kernel reads it anyway, and runs the rest 16 lanes wide: the CNN's
-        compiled forward went from 4.9 to 3.0 ms (docs/compile.md, "Strided loads"). So
+        compiled forward went from 4.9 to 3.3-3.5 ms (docs/compile.md, "Strided loads"). So
         openreg kernels accept up to ``_STRIDED_RATIO`` of such operations. The threshold is a
         class attribute, raised only while this group's kernel is generated. Dynamo compiles
         forward graphs under its compile lock, but AOTAutograd compiles a backward graph at its
@@ -361,13 +361,30 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         vec_kernel_cls = OpenRegVecKernel
 
         def codegen_functions(self, fn_list, var_sizes_list):
-            stats = cpp.KernelOpStats
-            default = stats.OVERHEAD_RATIO_THRESHOLD
-            stats.OVERHEAD_RATIO_THRESHOLD = max(default, _STRIDED_RATIO)
-            try:
+            with strided_limit:
                 return super().codegen_functions(fn_list, var_sizes_list)
-            finally:
-                stats.OVERHEAD_RATIO_THRESHOLD = default
+
+    class _StridedLimit:
+        """Raises the limit while any thread generates an openreg kernel and puts torch's value
+        back when the last one is done (two threads at once never leave it raised)."""
+
+        def __init__(self) -> None:
+            self.torch_value = cpp.KernelOpStats.OVERHEAD_RATIO_THRESHOLD
+            self.users = 0
+            self.lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            with self.lock:
+                self.users += 1
+                cpp.KernelOpStats.OVERHEAD_RATIO_THRESHOLD = max(self.torch_value, _STRIDED_RATIO)
+
+        def __exit__(self, *exc: Any) -> None:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    cpp.KernelOpStats.OVERHEAD_RATIO_THRESHOLD = self.torch_value
+
+    strided_limit = _StridedLimit()
     # [docs:end STRIDED_LOADS]
 
     # [docs:start SCHEDULING]
