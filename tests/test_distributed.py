@@ -741,9 +741,11 @@ def test_failures_raise_within_timeout(case):
         assert set(survivors) == {0, 1}, results
         for r, (status, message, seconds) in survivors.items():
             assert "Detected mismatch between collectives on ranks" in message, message
-            if case != "mismatch_detail":  # occl's own message names each rank's call
-                assert ("rank 0 called ALLREDUCE(SUM) (Float[4]); "
-                        "rank 1 called ALLREDUCE(SUM) (Float[8])") in message, message
+            if case == "mismatch_detail":  # PyTorch's wrapper checked first, with its message
+                assert "CollectiveFingerPrint" in message and "occl:" not in message, message
+            else:  # occl's own message names each rank's call
+                assert ("group rank 0 called ALLREDUCE(SUM) (Float[4]); "
+                        "group rank 1 called ALLREDUCE(SUM) (Float[8])") in message, message
     for r, (status, message, seconds) in survivors.items():
         assert status == "error", (case, r, message)
         assert seconds < 3.0 + 5.0, (case, r, seconds, message)  # the timeout, plus slack
@@ -785,8 +787,9 @@ def _check_mismatches(rank, world):
     attempt("op", lambda: dist.all_reduce(four, op=dist.ReduceOp.SUM if rank == 0
                                           else dist.ReduceOp.MAX), four)
     attempt("root", lambda: dist.broadcast(four, src=rank), four)
-    gathered = torch.empty(8, device=dev)
-    attempt("all_gather", lambda: dist.all_gather_into_tensor(gathered, small_or_big[:2 + rank]))
+    gathered = torch.full((8,), 7.0, device=dev)
+    attempt("all_gather", lambda: dist.all_gather_into_tensor(gathered, small_or_big[:2 + rank]),
+            gathered)
     # uneven all_to_all_single: rank 0 sends 1 to itself and 2 to rank 1, rank 1 sends 3 to
     # rank 0 and 1 to itself; valid, and then once with rank 1 expecting 3 from rank 0
     sends = [[1, 2], [3, 1]][rank]
@@ -797,8 +800,36 @@ def _check_mismatches(rank, world):
     expected = [[0.0, 10.0, 11.0, 12.0], [1.0, 2.0, 13.0]][rank]
     assert target.cpu().tolist() == expected
     wrong = [[1, 3], [3, 1]][rank]  # rank 1 expects 3 from rank 0, which sends 2
-    attempt("splits", lambda: dist.all_to_all_single(torch.empty(sum(wrong), device=dev),
-                                                     source, wrong, sends))
+    received = torch.full((sum(wrong),), 7.0, device=dev)
+    attempt("splits", lambda: dist.all_to_all_single(received, source, wrong, sends), received)
+    # valid calls whose shapes differ by rank: not mismatches
+    # an empty tensor from a rank that sends nothing, rows of 3 from the other
+    rows = torch.arange(6.0, device=dev).reshape(2, 3) if rank == 0 else torch.empty(0, device=dev)
+    got = torch.empty((2, 3) if rank == 1 else (0,), device=dev)
+    attempt("empty_rows", lambda: dist.all_to_all_single(got, rows, [2, 0] if rank == 1 else [0, 0],
+                                                          [0, 2] if rank == 0 else [0, 0]))
+    if rank == 1:
+        assert got.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    # reduce_scatter of a list: each rank's output is its share, of its own size
+    share = torch.empty(2 + rank, device=dev)
+    attempt("uneven_shares", lambda: dist.reduce_scatter(
+        share, [torch.ones(2, device=dev), torch.ones(3, device=dev)]))
+    assert share.cpu().tolist() == [2.0] * (2 + rank)
+    # the same number of elements in another shape (gloo moves elements)
+    flat_or_not = torch.ones(() if rank == 0 else (1,), device=dev)
+    attempt("scalar_and_one", lambda: dist.all_reduce(flat_or_not))
+    assert flat_or_not.cpu().tolist() in (2.0, [2.0])
+    # a mismatch inside a coalescing block, whose end torch then skips: the next block works
+    pair = [torch.ones(2 + rank, device=dev), torch.ones(2, device=dev)]
+
+    def coalesced():
+        with dist._coalescing_manager(async_ops=False):
+            for t in pair:
+                dist.all_reduce(t)
+    attempt("coalesced", coalesced)
+    pair = [torch.ones(2, device=dev), torch.ones(3, device=dev)]
+    coalesced()
+    assert [t.cpu().tolist() for t in pair] == [[2.0] * 2, [2.0] * 3]
     return seen
 
 
@@ -808,19 +839,27 @@ def test_mismatch_catalogue():
     assert by_rank[0] == by_rank[1]  # the same error on every rank
     seen = by_rank[0]
     prefix = "occl: Detected mismatch between collectives on ranks: "
-    assert seen["uneven"] is None
+    for valid in ("uneven", "empty_rows", "uneven_shares", "scalar_and_one"):
+        assert seen[valid] is None, (valid, seen[valid])
     expected = {
-        "shape": "rank 0 called ALLREDUCE(SUM) (Float[2]); rank 1 called ALLREDUCE(SUM) (Float[4])",
-        "broadcast": "rank 0 called BROADCAST(root 0) (Float[2]); "
-                     "rank 1 called BROADCAST(root 0) (Float[4])",
-        "dtype": "rank 0 called ALLREDUCE(SUM) (Half[4]); rank 1 called ALLREDUCE(SUM) (Float[4])",
-        "kind": "rank 0 called ALLREDUCE(SUM) (Float[4]); rank 1 called BROADCAST(root 0) (Float[4])",
-        "op": "rank 0 called ALLREDUCE(SUM) (Float[4]); rank 1 called ALLREDUCE(MAX) (Float[4])",
-        "root": "rank 0 called BROADCAST(root 0) (Float[4]); rank 1 called BROADCAST(root 1) (Float[4])",
-        "all_gather": "rank 0 called ALLGATHER_BASE Float[2] -> Float[8]; "
-                      "rank 1 called ALLGATHER_BASE Float[3] -> Float[8]",
-        "splits": "ranks 0, 1 called ALLTOALL_BASE Float[*], but rank 0 sends 2 elements to "
-                  "rank 1, which expects 3 from it",
+        "shape": "group rank 0 called ALLREDUCE(SUM) (Float[2]); "
+                 "group rank 1 called ALLREDUCE(SUM) (Float[4])",
+        "broadcast": "group rank 0 called BROADCAST(root 0) (Float[2]); "
+                     "group rank 1 called BROADCAST(root 0) (Float[4])",
+        "dtype": "group rank 0 called ALLREDUCE(SUM) (Half[4]); "
+                 "group rank 1 called ALLREDUCE(SUM) (Float[4])",
+        "kind": "group rank 0 called ALLREDUCE(SUM) (Float[4]); "
+                "group rank 1 called BROADCAST(root 0) (Float[4])",
+        "op": "group rank 0 called ALLREDUCE(SUM) (Float[4]); "
+              "group rank 1 called ALLREDUCE(MAX) (Float[4])",
+        "root": "group rank 0 called BROADCAST(root 0) (Float[4]); "
+                "group rank 1 called BROADCAST(root 1) (Float[4])",
+        "all_gather": "group rank 0 called ALLGATHER_BASE Float[2] -> Float[8]; "
+                      "group rank 1 called ALLGATHER_BASE Float[3] -> Float[8]",
+        "splits": "group ranks 0, 1 called ALLTOALL_BASE Float, but group rank 0 sends 2 "
+                  "elements to group rank 1, which expects 3 from it",
+        "coalesced": "group rank 0 called ALLREDUCE_COALESCED(SUM) (Float[2], Float[2]); "
+                     "group rank 1 called ALLREDUCE_COALESCED(SUM) (Float[3], Float[2])",
     }
     for name, text in expected.items():
         assert seen[name] is not None and seen[name].startswith(prefix + text), (name, seen[name])

@@ -308,14 +308,14 @@ std::function<void()> average(const Reduction& r, TensorList outputs, int size) 
 // trusts each rank's sizes, and a rank that receives more bytes than its buffer holds is aborted
 // by gloo's transport thread (SIGABRT), while a rank with a larger buffer may return with it
 // partly filled. occl exchanges a fixed-size record per rank first (one small all-gather through
-// the same gloo backend, so every rank's tags stay in step): a hash of the collective's
-// description (kind, reduction, root, dtypes and shapes) and, for the all-to-all collectives,
-// whose shapes may differ by rank, the element counts sent to and received from each peer. When
-// the records disagree, every rank takes part in a second all-gather of the descriptions and
-// raises the same error naming each rank's call; the group stays usable.
+// the same gloo backend, so every rank's tags stay in step): a hash of what must agree (kind,
+// reduction, root, dtypes and element counts: gloo moves elements, so [6] and [2, 3] agree)
+// and, for all_to_all_single, whose inputs and outputs may differ by rank, the element counts
+// sent to and expected from each peer. When the records disagree, every rank takes part in a
+// second all-gather of the descriptions and raises the same error naming each rank's call.
 struct Signature {
-  std::string text;
-  std::vector<int64_t> sends, receives;  // elements per peer; all-to-all only
+  std::string text;  // kind, reduction, root, dtypes and shapes: "ALLREDUCE(SUM) (Float[2, 3])"
+  std::vector<int64_t> sends, receives;  // elements per peer; all_to_all_single only
 };
 
 std::string describe(const at::Tensor& t) {
@@ -338,6 +338,34 @@ std::string describe(const ReduceOp& op) {
                                 "BOR", "BXOR", "PREMUL_SUM", "UNUSED"};
   const auto i = static_cast<size_t>(op.op_);
   return i < sizeof(names) / sizeof(names[0]) ? names[i] : std::to_string(i);
+}
+
+// What is hashed: the description with each shape replaced by its element count.
+std::string agreed_part(const std::string& text) {
+  std::string key;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '[') {
+      key += text[i];
+      continue;
+    }
+    const size_t end = text.find(']', i);
+    int64_t numel = 1, dim = 0;
+    bool digits = false;
+    for (size_t k = i + 1; k < end; ++k) {
+      if (std::isdigit(static_cast<unsigned char>(text[k]))) {
+        dim = dim * 10 + (text[k] - '0');
+        digits = true;
+      } else if (text[k] == ',') {
+        numel *= dim;
+        dim = 0;
+        digits = false;
+      }
+    }
+    if (digits) numel *= dim;
+    key += "{" + std::to_string(numel) + "}";
+    i = end;
+  }
+  return key;
 }
 
 uint64_t fnv1a(const std::string& text) {  // the same on every machine, unlike std::hash
@@ -533,8 +561,8 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter(TensorList& outputs, std::vector<TensorList>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
-    agree({"REDUCE_SCATTER(" + describe(opts.reduceOp) + ") " + describe(inputs) + " -> " +
-           describe(outputs)});
+    // outputs may differ by rank (each rank's share of the inputs, which all ranks pass alike)
+    agree({"REDUCE_SCATTER(" + describe(opts.reduceOp) + ") " + describe(inputs)});
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -660,11 +688,10 @@ class OcclBackend : public Backend {
           counts[j] = splits[j] * row;
       return counts;
     };
-    std::ostringstream text;  // the rows' shape: "Float[*, 3]"
-    text << "ALLTOALL_BASE " << input.scalar_type() << "[*";
-    for (int64_t d = 1; d < input.dim(); ++d) text << ", " << input.size(d);
-    text << "]";
-    return {text.str(), per_peer(input, input_splits), per_peer(output, output_splits)};
+    // gloo moves elements: the rows' shapes may differ too (an empty tensor from a rank that
+    // sends nothing)
+    return {"ALLTOALL_BASE " + std::string(c10::toString(input.scalar_type())),
+            per_peer(input, input_splits), per_peer(output, output_splits)};
   }
   Signature all_to_all(const TensorList& outputs, const TensorList& inputs) const {
     Signature sig{"ALLTOALL " +
@@ -690,7 +717,7 @@ class OcclBackend : public Backend {
     const int64_t width = 1 + 2 * n;
     at::Tensor record = at::zeros({width}, at::kLong);
     int64_t* r = record.data_ptr<int64_t>();
-    r[0] = static_cast<int64_t>(fnv1a(mine.text));
+    r[0] = static_cast<int64_t>(fnv1a(agreed_part(mine.text)));
     for (size_t j = 0; j < mine.sends.size() && j < static_cast<size_t>(n); ++j)
       r[1 + j] = mine.sends[j];
     for (size_t j = 0; j < mine.receives.size() && j < static_cast<size_t>(n); ++j)
@@ -706,16 +733,21 @@ class OcclBackend : public Backend {
         const int64_t sent = all[i * width + 1 + j], expected = all[j * width + 1 + n + i];
         if (sent != expected)
           counts = "rank " + std::to_string(i) + " sends " + std::to_string(sent) +
-                   " elements to rank " + std::to_string(j) + ", which expects " +
+                   " elements to group rank " + std::to_string(j) + ", which expects " +
                    std::to_string(expected) + " from it";
       }
     if (same && counts.empty()) return;
     // Every rank saw the same records, so every rank is here: exchange the descriptions.
-    constexpr int64_t kText = 256;
-    at::Tensor text = at::zeros({kText}, at::kByte);
-    std::memcpy(text.data_ptr(), mine.text.data(),
-                std::min<size_t>(mine.text.size(), kText - 1));
-    at::Tensor texts = at::empty({n * kText}, at::kByte);
+    constexpr size_t kText = 512;
+    std::string shown = mine.text;
+    if (shown.size() > kText - 1) {  // cut, with the hash: two long calls never read the same
+      std::ostringstream tail;
+      tail << "... [" << shown.size() << " characters, hash " << std::hex << r[0] << "]";
+      shown = shown.substr(0, kText - 1 - tail.str().size()) + tail.str();
+    }
+    at::Tensor text = at::zeros({static_cast<int64_t>(kText)}, at::kByte);
+    std::memcpy(text.data_ptr(), shown.data(), shown.size());
+    at::Tensor texts = at::empty({n * static_cast<int64_t>(kText)}, at::kByte);
     gloo_->_allgather_base(texts, text, c10d::AllgatherOptions())->wait();
     std::vector<std::pair<std::string, std::vector<int>>> calls;  // description, its ranks
     for (int i = 0; i < n; ++i) {
@@ -731,12 +763,19 @@ class OcclBackend : public Backend {
     std::string message = "occl: Detected mismatch between collectives on ranks: ";
     for (size_t i = 0; i < calls.size(); ++i) {
       const auto& ranks = calls[i].second;
-      message += std::string(i ? "; " : "") + (ranks.size() > 1 ? "ranks " : "rank ");
+      message += std::string(i ? "; " : "") + (ranks.size() > 1 ? "group ranks " : "group rank ");
       for (size_t k = 0; k < ranks.size(); ++k)
         message += (k ? ", " : "") + std::to_string(ranks[k]);
       message += " called " + calls[i].first;
     }
-    if (!counts.empty()) message += ", but " + counts;
+    if (!counts.empty()) message += ", but group " + counts;
+    {
+      // raised inside a coalescing block, whose end torch then never calls: the group must not
+      // stay in it (the next startCoalescing would refuse)
+      std::lock_guard guard(coalescing_mutex_);
+      coalescing_ = false;
+      coalesced_.clear();
+    }
     TORCH_CHECK(false, message,
                 ". occl compares each collective's shapes across the group before running it "
                 "(OPENREG_OCCL_CHECK=0 turns this off; docs/distributed.md)");
