@@ -364,7 +364,7 @@ void HostKernel::Session::return_cached() {
 // [docs:end ALIAS_CACHE_RETURN]
 
 // [docs:start HOST_KERNEL_ALIAS]
-at::Tensor HostKernel::alias(const at::Tensor& t) {
+const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
   int found = s_->find_tensor(timpl, Session::DeviceTensor);
   if (found >= 0) return s_->tensors[found].cpu();
@@ -377,8 +377,8 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
     at::Tensor cpu = make_tensor_like(
         c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
         c10::DispatchKey::CPU, t);
-    s_->add_tensor(cpu, t);
-    return cpu;
+    s_->add_tensor(std::move(cpu), t);
+    return s_->tensors.back().cpu();
   }
   // The first tensor of its storage in the call: this thread's cached alias, revalidated.
   AliasCache& cache = *s_->aliases;
@@ -415,8 +415,8 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
     s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage);  // held by the alias
     at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
-    s_->add_tensor(cpu, t);
-    return cpu;
+    s_->add_tensor(std::move(cpu), t);
+    return s_->tensors.back().cpu();
   }
   e->busy = true;
   s_->checked_out.push_back({timpl, e, dev_storage});
