@@ -25,6 +25,20 @@ def route(enabled: bool):
         C._set_unboxed_route(before)
 
 
+@pytest.fixture(autouse=True)
+def default_mode():
+    # These tests check which path ran: under OPENREG_ASYNC=1 every call is boxed and queued by the
+    # fallback (tested below), so each test runs in the default mode and restores the setting.
+    was_async = C._is_async()
+    if was_async:
+        torch.openreg.synchronize()
+        C._set_async(False)
+    yield
+    if was_async:
+        torch.openreg.synchronize()
+        C._set_async(True)
+
+
 def counts():
     return C._route_calls("unboxed.direct"), C._route_calls("unboxed.boxed")
 
@@ -276,3 +290,25 @@ def test_stream_order_is_kept():
     torch.openreg.current_stream().wait_stream(s)
     b = a * 2
     assert b.cpu().eq(40).all()
+
+
+def test_references_are_unchanged_by_routed_calls():
+    # The route borrows the device tensors and their aliases for the call (no reference count of
+    # its own): after any number of calls, in-place or not, single or in lists, each tensor has
+    # exactly the references it had, C++ and Python alike.
+    import sys
+
+    a, b = _t(8).to(DEV), _t(8, seed=1).to(DEV)
+    params = [_t(4, seed=s).to(DEV) for s in range(5)]
+    grads = [_t(4, seed=10 + s).to(DEV) for s in range(5)]
+    tensors = [a, b] + params + grads
+    before = [(t._use_count(), sys.getrefcount(t)) for t in tensors]
+    for _ in range(50):
+        a.add_(b)
+        c = a * b - 1
+        torch._foreach_mul_(params, 0.99)
+        torch._foreach_add_(params, grads, alpha=0.1)
+        out = torch._foreach_add(params, grads)
+    del c, out
+    assert [(t._use_count(), sys.getrefcount(t)) for t in tensors] == before
+    assert counts()[0] > 0

@@ -215,6 +215,9 @@ struct HostKernel::Session {
   // into device tensors: they are indexed on the first such lookup, so in-place tensor-list
   // operators (foreach, fused optimizers), which return nothing, index half as many keys.
   bool cpu_indexed = false;
+  // The device tensors are borrowed, not held: their caller holds them for the call
+  // (HostKernel::caller_holds_arguments).
+  bool borrow_devices = false;
 
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
@@ -265,13 +268,16 @@ struct HostKernel::Session {
     for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
   }
 
+  at::Tensor hold(const at::Tensor& device) const {
+    return borrow_devices ? c10::MaybeOwnedTraits<at::Tensor>::createBorrow(device) : device;
+  }
   void add_tensor(at::Tensor cpu, const at::Tensor& device) {
-    tensors.push_back({std::move(cpu), nullptr, device});
+    tensors.push_back({std::move(cpu), nullptr, hold(device)});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
   void add_cached_tensor(const at::Tensor& cpu, const at::Tensor& device) {
-    tensors.push_back({at::Tensor(), &cpu, device});
+    tensors.push_back({at::Tensor(), &cpu, hold(device)});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
@@ -288,6 +294,10 @@ struct HostKernel::Session {
     for (AliasedTensor& a : tensors) a.owned.reset();
     held.clear();
     if (!checked_out.empty()) return_cached();
+    if (borrow_devices) {
+      for (AliasedTensor& a : tensors) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(a.device);
+      borrow_devices = false;
+    }
     tensors.clear();
     storages.clear();
     if (indexed) {
@@ -332,6 +342,11 @@ HostKernel::Session* HostKernel::acquire_session() {
   if (k.depth == k.sessions.size())
     k.sessions.push_back(std::make_unique<Session>(k.aliases.get()));
   return k.sessions[k.depth++].get();
+}
+
+void HostKernel::caller_holds_arguments() {
+  TORCH_INTERNAL_ASSERT(s_->tensors.empty(), "caller_holds_arguments after the first alias");
+  s_->borrow_devices = true;
 }
 
 HostKernel::~HostKernel() {

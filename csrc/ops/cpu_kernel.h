@@ -42,6 +42,12 @@ class HostKernel {
   // it at once (routes/unboxed.cpp borrows the tensor, which the session keeps alive).
   const at::Tensor& alias_ref(const at::Tensor& device_tensor);
 
+  // Before the first alias: the caller holds every device tensor it passes to alias() until this
+  // HostKernel ends (an unboxed kernel's arguments), so the session borrows them instead of
+  // taking a reference count per tensor. (The boxed fallback cannot: it replaces the stack's
+  // references by the aliases.)
+  void caller_holds_arguments();
+
   // After the kernel: if it resized or restrided the alias of `device_tensor` (an argument
   // written in place or an out= argument), carry the change over to the device tensor.
   void sync_written(const at::Tensor& device_tensor);

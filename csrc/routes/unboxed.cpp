@@ -235,6 +235,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   template <size_t... I>
   static Ret run(int device, const ArgSummary& s, std::index_sequence<I...>, Args&... args) {
     HostKernel k(device);
+    k.caller_holds_arguments();  // the caller's references outlive the call
     std::tuple<typename ToCpu<Args>::type...> cpu{ToCpu<Args>::convert(k, args)...};
     auto sync = [&] { ((s.writes[I] ? sync_arg(k, args) : void()), ...); };
     auto invoke = [&]() -> decltype(auto) {
