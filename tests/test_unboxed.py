@@ -312,3 +312,46 @@ def test_references_are_unchanged_by_routed_calls():
     del c, out
     assert [(t._use_count(), sys.getrefcount(t)) for t in tensors] == before
     assert counts()[0] > 0
+
+
+UNARY_AND_MATMUL = {
+    "mm": lambda a, b: a @ b,
+    "addmm": lambda a, b: torch.addmm(b, a, b, beta=0.5, alpha=2),
+    "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.t().unsqueeze(0)),
+    "tanh": lambda a, b: a.tanh(),
+    "sigmoid": lambda a, b: torch.sigmoid(a),
+    "exp": lambda a, b: a.exp(),
+    "neg": lambda a, b: -a,
+    "relu": lambda a, b: torch.relu(a - 0.5),
+    "pow": lambda a, b: a ** 3,
+    "sum_dim": lambda a, b: a.sum(1),
+    "mean_dim": lambda a, b: a.mean(0, keepdim=True),
+    "softmax": lambda a, b: torch.softmax(a, -1),
+    "log_softmax": lambda a, b: torch.log_softmax(a, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY_AND_MATMUL))
+def test_matrix_products_and_activations_match_the_cpu_and_the_fallback(name):
+    fn = UNARY_AND_MATMUL[name]
+    direct_before, _ = counts()
+    (cpu, _), (r, _), (fb, _) = run_everywhere(fn, _t(3, 3), _t(3, 3, seed=1))
+    assert counts()[0] > direct_before
+    assert r.device.type == "openreg"
+    assert_same(cpu, r)
+    assert_same(cpu, fb)
+
+
+def test_activation_backward_kernels_match_the_cpu():
+    # tanh_backward, sigmoid_backward, threshold_backward (relu), _softmax_backward_data and
+    # _log_softmax's backward run on the autograd device thread through the route.
+    x_cpu = (_t(4, 5) - 0.5).double().requires_grad_()
+    x_dev = x_cpu.detach().to(DEV).requires_grad_()
+    direct_before, _ = counts()
+    for x in (x_cpu, x_dev):
+        y = torch.tanh(x) + torch.sigmoid(x) * torch.relu(x) + torch.softmax(x, -1)
+        (y * torch.log_softmax(x, 0)).sum().backward()
+    assert counts()[0] > direct_before
+    torch.testing.assert_close(x_dev.grad.cpu(), x_cpu.grad)
+    assert torch.autograd.gradcheck(lambda t: torch.softmax(torch.tanh(t) @ t.t(), -1),
+                                    (x_dev[:3, :3].detach().requires_grad_(),))

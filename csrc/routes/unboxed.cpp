@@ -284,8 +284,9 @@ struct UnboxedRoute<Op, Ret(Args...)> {
 };
 
 // [docs:start UNBOXED_OPS]
-// The operators the route serves: the most frequent small operators of test suites and
-// optimizer steps (element-wise arithmetic, foreach and fused optimizer kernels).
+// The operators the route serves: the most frequent small operators of test suites, gradchecks
+// and optimizer steps (element-wise arithmetic, foreach and fused optimizer kernels, matrix
+// products, activations and their backward, reductions, softmax).
 #define OPENREG_UNBOXED_OPS(X)                                                      \
   X(add_Tensor) X(add__Tensor) X(sub_Tensor) X(sub__Tensor) X(mul_Tensor)           \
   X(mul__Tensor) X(div_Tensor) X(div__Tensor)                                       \
@@ -293,7 +294,10 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   X(_foreach_mul__Scalar) X(_foreach_lerp__Scalar) X(_foreach_lerp__List)           \
   X(_foreach_addcmul__Scalar) X(_foreach_addcdiv__Scalar) X(_foreach_sqrt)          \
   X(_foreach_div__List) X(_foreach_add_List) X(_foreach_mul_Scalar)                 \
-  X(_fused_adam_) X(_fused_adamw_) X(_fused_sgd_)
+  X(_fused_adam_) X(_fused_adamw_) X(_fused_sgd_)                                  \
+  X(mm) X(addmm) X(bmm) X(tanh) X(sigmoid) X(exp) X(neg) X(relu) X(pow_Tensor_Scalar)  \
+  X(sum_dim_IntList) X(mean_dim) X(_softmax) X(_log_softmax) X(_softmax_backward_data) \
+  X(tanh_backward) X(sigmoid_backward) X(threshold_backward)
 // [docs:end UNBOXED_OPS]
 
 std::deque<std::string>& names() {
