@@ -215,6 +215,9 @@ struct HostKernel::Session {
   // into device tensors: they are indexed on the first such lookup, so in-place tensor-list
   // operators (foreach, fused optimizers), which return nothing, index half as many keys.
   bool cpu_indexed = false;
+  // The device tensors are borrowed, not held: their caller holds them for the call
+  // (HostKernel::caller_holds_arguments).
+  bool borrow_devices = false;
 
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
@@ -265,13 +268,16 @@ struct HostKernel::Session {
     for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
   }
 
+  at::Tensor hold(const at::Tensor& device) const {
+    return borrow_devices ? c10::MaybeOwnedTraits<at::Tensor>::createBorrow(device) : device;
+  }
   void add_tensor(at::Tensor cpu, const at::Tensor& device) {
-    tensors.push_back({std::move(cpu), nullptr, device});
+    tensors.push_back({std::move(cpu), nullptr, hold(device)});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
   void add_cached_tensor(const at::Tensor& cpu, const at::Tensor& device) {
-    tensors.push_back({at::Tensor(), &cpu, device});
+    tensors.push_back({at::Tensor(), &cpu, hold(device)});
     if (indexed) index_tensor(tensors.size() - 1);
     else maybe_build_index();
   }
@@ -288,6 +294,10 @@ struct HostKernel::Session {
     for (AliasedTensor& a : tensors) a.owned.reset();
     held.clear();
     if (!checked_out.empty()) return_cached();
+    if (borrow_devices) {
+      for (AliasedTensor& a : tensors) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(a.device);
+      borrow_devices = false;
+    }
     tensors.clear();
     storages.clear();
     if (indexed) {
@@ -334,6 +344,11 @@ HostKernel::Session* HostKernel::acquire_session() {
   return k.sessions[k.depth++].get();
 }
 
+void HostKernel::caller_holds_arguments() {
+  TORCH_INTERNAL_ASSERT(s_->tensors.empty(), "caller_holds_arguments after the first alias");
+  s_->borrow_devices = true;
+}
+
 HostKernel::~HostKernel() {
   // Releases the aliases while the stream is still held and device memory still accessible
   // (strict mode), as the members' destruction did before sessions were pooled.
@@ -364,7 +379,7 @@ void HostKernel::Session::return_cached() {
 // [docs:end ALIAS_CACHE_RETURN]
 
 // [docs:start HOST_KERNEL_ALIAS]
-at::Tensor HostKernel::alias(const at::Tensor& t) {
+const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
   int found = s_->find_tensor(timpl, Session::DeviceTensor);
   if (found >= 0) return s_->tensors[found].cpu();
@@ -377,8 +392,8 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
     at::Tensor cpu = make_tensor_like(
         c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
         c10::DispatchKey::CPU, t);
-    s_->add_tensor(cpu, t);
-    return cpu;
+    s_->add_tensor(std::move(cpu), t);
+    return s_->tensors.back().cpu();
   }
   // The first tensor of its storage in the call: this thread's cached alias, revalidated.
   AliasCache& cache = *s_->aliases;
@@ -415,8 +430,8 @@ at::Tensor HostKernel::alias(const at::Tensor& t) {
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
     s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage);  // held by the alias
     at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
-    s_->add_tensor(cpu, t);
-    return cpu;
+    s_->add_tensor(std::move(cpu), t);
+    return s_->tensors.back().cpu();
   }
   e->busy = true;
   s_->checked_out.push_back({timpl, e, dev_storage});

@@ -36,7 +36,17 @@ class HostKernel {
 
   // CPU tensor aliasing the device tensor's memory, sizes, strides and offset. Tensors that share
   // a storage get aliases that share a storage, so CPU kernels see the same overlaps.
-  at::Tensor alias(const at::Tensor& device_tensor);
+  at::Tensor alias(const at::Tensor& device_tensor) { return alias_ref(device_tensor); }
+  // The same, without a reference count: the alias the session holds for the call. The reference
+  // is valid until the next alias call (the session's list may grow), so take what it needs from
+  // it at once (routes/unboxed.cpp borrows the tensor, which the session keeps alive).
+  const at::Tensor& alias_ref(const at::Tensor& device_tensor);
+
+  // Before the first alias: the caller holds every device tensor it passes to alias() until this
+  // HostKernel ends (an unboxed kernel's arguments), so the session borrows them instead of
+  // taking a reference count per tensor. (The boxed fallback cannot: it replaces the stack's
+  // references by the aliases.)
+  void caller_holds_arguments();
 
   // After the kernel: if it resized or restrided the alias of `device_tensor` (an argument
   // written in place or an out= argument), carry the change over to the device tensor.

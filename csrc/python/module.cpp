@@ -11,6 +11,7 @@
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
+#include "routes/unboxed.h"
 #include "routes/op_fallback.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -70,6 +71,8 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- operator routes (routes/): per-route call counters, for tests; sync debug mode
   m.def("_route_calls", [](const std::string& route) { return openreg::call_counter(route).load(); });
+  m.def("_set_unboxed_route", &openreg::set_unboxed_route);
+  m.def("_unboxed_route_enabled", &openreg::unboxed_route_enabled);
   m.def("_set_sync_debug_mode", &openreg::set_sync_debug_mode);
   m.def("_get_sync_debug_mode", &openreg::get_sync_debug_mode);
 

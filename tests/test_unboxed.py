@@ -1,0 +1,357 @@
+"""The unboxed route (csrc/routes/unboxed.cpp): frequent small operators (element-wise arithmetic,
+foreach and fused optimizer kernels) get a kernel generated from their C++ declaration, which runs
+the CPU kernel on device memory without boxing the arguments. Every case is compared with the CPU
+and with the generic fallback the route replaces (route switched off); the route's call counters
+prove which path ran."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch_openreg
+
+C = torch_openreg._C
+DEV = "openreg:0"
+
+
+@contextlib.contextmanager
+def route(enabled: bool):
+    before = C._unboxed_route_enabled()
+    C._set_unboxed_route(enabled)
+    try:
+        yield
+    finally:
+        C._set_unboxed_route(before)
+
+
+@pytest.fixture(autouse=True)
+def default_mode():
+    # These tests check which path ran: under OPENREG_ASYNC=1 every call is boxed and queued by the
+    # fallback (tested below), so each test runs in the default mode and restores the setting.
+    was_async = C._is_async()
+    if was_async:
+        torch.openreg.synchronize()
+        C._set_async(False)
+    yield
+    if was_async:
+        torch.openreg.synchronize()
+        C._set_async(True)
+
+
+def counts():
+    return C._route_calls("unboxed.direct"), C._route_calls("unboxed.boxed")
+
+
+def _t(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.rand(*shape, generator=g, dtype=dtype)
+    return torch.randint(1, 9, shape, generator=g, dtype=dtype)
+
+
+def run_everywhere(fn, *inputs):
+    """fn on CPU tensors, on openreg through the route, on openreg through the fallback; the
+    openreg inputs are fresh copies each time. Returns (cpu, route, fallback) (results, inputs)."""
+    out = []
+    for device, enabled in (("cpu", True), (DEV, True), (DEV, False)):
+        args = [x.clone().to(device) for x in inputs]
+        with route(enabled):
+            r = fn(*args)
+        out.append((r, args))
+    return out
+
+
+def assert_same(a, b):
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a.cpu(), b.cpu(), equal_nan=True)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    else:
+        assert a == b
+
+
+BINARY = {
+    "add": lambda a, b: a + b,
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=3),
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "add_": lambda a, b: a.add_(b, alpha=2),
+    "sub_": lambda a, b: a.sub_(b),
+    "mul_": lambda a, b: a.mul_(b),
+    "div_": lambda a, b: a.div_(b),
+    "broadcast": lambda a, b: a * b[0],
+    "wrapped_scalar": lambda a, b: (a + 1) * 2.5 - b / 4,
+    "cpu_0dim": lambda a, b: a * torch.tensor(3.0),
+    "noncontiguous": lambda a, b: a.t() + b.t(),
+    "overlapping_views": lambda a, b: a[0].add_(a[1]),  # two views of one storage
+    "same_tensor_twice": lambda a, b: a.mul_(a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_operators_match_the_cpu_and_the_fallback(name):
+    fn = BINARY[name]
+    direct_before, _ = counts()
+    (cpu, cpu_in), (r, r_in), (fb, fb_in) = run_everywhere(fn, _t(3, 3), _t(3, 3, seed=1) + 0.5)
+    assert counts()[0] > direct_before  # the route ran (and not the fallback)
+    assert r.device.type == "openreg"
+    assert_same(cpu, r)
+    assert_same(cpu, fb)
+    assert_same(cpu_in, r_in)  # what in-place kernels wrote landed in device memory
+
+
+def test_in_place_returns_the_argument_itself():
+    a, b = _t(4).to(DEV), _t(4, seed=1).to(DEV)
+    for op in (torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.Tensor.div_):
+        assert op(a, b) is a
+
+
+def test_integer_true_division_and_type_promotion():
+    x, y = _t(5, dtype=torch.int64), _t(5, dtype=torch.int64, seed=1)
+    for fn in (lambda a, b: a / b, lambda a, b: a * 0.5, lambda a, b: a + b.double()):
+        (cpu, _), (r, _), _ = run_everywhere(fn, x, y)
+        assert_same(cpu, r)
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "devices", "cpu_tensor"])
+def test_errors_are_the_cpus(case):
+    def call(device, other_device=None):
+        a = _t(3).to(device)
+        if case == "shape":
+            return a.add_(_t(2, 3).to(device))  # cannot broadcast into self
+        if case == "dtype":
+            return _t(3, dtype=torch.int64).to(device).div_(a)  # float result into an int tensor
+        if case == "devices":
+            return a + _t(3).to(other_device)
+        return a + _t(3)  # a CPU tensor that is not a 0-dim scalar
+
+    if case in ("shape", "dtype"):
+        with pytest.raises(RuntimeError) as cpu_err:
+            call("cpu")
+        for enabled in (True, False):
+            with route(enabled), pytest.raises(type(cpu_err.value)) as err:
+                call(DEV)
+            assert str(err.value) == str(cpu_err.value)
+    else:
+        messages = []
+        for enabled in (True, False):
+            with route(enabled), pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as err:
+                call(DEV, "openreg:1")
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]  # the fallback's check, unchanged
+
+
+def test_autograd_through_routed_operators():
+    x_cpu = _t(3, 3).requires_grad_()
+    w_cpu = _t(3, 3, seed=1).requires_grad_()
+    x_dev = x_cpu.detach().to(DEV).requires_grad_()
+    w_dev = w_cpu.detach().to(DEV).requires_grad_()
+    for x, w in ((x_cpu, w_cpu), (x_dev, w_dev)):
+        ((x * w + x / (w + 1) - 2 * x).sum()).backward()
+    torch.testing.assert_close(x_dev.grad.cpu(), x_cpu.grad)
+    torch.testing.assert_close(w_dev.grad.cpu(), w_cpu.grad)
+
+
+def _lists(n, seed):
+    return [_t(7, seed=seed * 100 + i) + 0.1 for i in range(n)]
+
+
+FOREACH = {
+    "add_List": lambda a, b: torch._foreach_add_(a, b),
+    "add_Scalar": lambda a, b: torch._foreach_add_(a, 2.0),
+    "mul_List": lambda a, b: torch._foreach_mul_(a, b),
+    "mul_Scalar": lambda a, b: torch._foreach_mul_(a, 0.5),
+    "lerp_Scalar": lambda a, b: torch._foreach_lerp_(a, b, 0.3),
+    "lerp_List": lambda a, b: torch._foreach_lerp_(a, b, b),
+    "addcmul_": lambda a, b: torch._foreach_addcmul_(a, b, b, value=0.5),
+    "addcdiv_": lambda a, b: torch._foreach_addcdiv_(a, b, b, value=0.5),
+    "sqrt": lambda a, b: torch._foreach_sqrt(a),
+    "div_List": lambda a, b: torch._foreach_div_(a, b),
+    "add_out_of_place": lambda a, b: torch._foreach_add(a, b),
+    "mul_out_of_place": lambda a, b: torch._foreach_mul(a, 3.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOREACH))
+def test_foreach_operators_match_the_cpu_and_the_fallback(name):
+    fn = FOREACH[name]
+    a, b = _lists(20, 1), _lists(20, 2)
+    results = []
+    for device, enabled in (("cpu", True), (DEV, True), (DEV, False)):
+        xa, xb = [t.clone().to(device) for t in a], [t.clone().to(device) for t in b]
+        before = counts()[0]
+        with route(enabled):
+            r = fn(xa, xb)
+        if device != "cpu":
+            assert (counts()[0] > before) == enabled
+        results.append((r, xa))
+    for r, xa in results[1:]:
+        assert_same(results[0][1], xa)
+        if results[0][0] is not None:
+            assert all(t.device.type == "openreg" for t in r)
+            assert_same(results[0][0], r)
+
+
+@pytest.mark.parametrize("fused", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fused_optimizer_kernels_match_the_cpu_and_the_fallback(fused, scaled):
+    n = 12
+    states = []
+    for device, enabled in (("cpu", True), (DEV, True), (DEV, False)):
+        lists = [[t.to(device) for t in _lists(n, s)] for s in range(5)]
+        steps = [torch.tensor(3.0).to(device) for _ in range(n)]
+        extra = {}
+        if scaled:
+            extra = {"grad_scale": torch.tensor(2.0).to(device),
+                     "found_inf": torch.tensor(0.0).to(device)}
+        before = counts()[0]
+        with route(enabled):
+            if fused == "sgd":
+                torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=0.01, momentum=0.9,
+                                  lr=0.1, dampening=0.0, nesterov=True, maximize=False,
+                                  is_first_step=False, **extra)
+            else:
+                fn = torch._fused_adam_ if fused == "adam" else torch._fused_adamw_
+                fn(lists[0], lists[1], lists[2], lists[3], lists[4], steps, lr=0.01, beta1=0.9,
+                   beta2=0.99, weight_decay=0.01, eps=1e-8, amsgrad=True, maximize=False, **extra)
+        if device != "cpu":
+            assert (counts()[0] > before) == enabled
+        states.append(lists)
+    for lists in states[1:]:
+        assert_same(states[0], lists)
+
+
+def test_optimizers_step_like_the_cpu():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+    x = torch.randn(4, 6)
+    results = {}
+    for form in ({"foreach": False}, {"foreach": True}, {"fused": True}):
+        for device in ("cpu", DEV):
+            m = copy.deepcopy(model).to(device)
+            opt = torch.optim.AdamW(m.parameters(), lr=0.01, **form)
+            for _ in range(3):
+                opt.zero_grad()
+                m(x.to(device)).square().sum().backward()
+                opt.step()
+            results[(str(form), device)] = [p.detach().cpu() for p in m.parameters()]
+        for a, b in zip(results[(str(form), "cpu")], results[(str(form), DEV)]):
+            torch.testing.assert_close(a, b)
+
+
+def test_memory_statistics_are_the_fallbacks():
+    a, b = _t(256).to(DEV), _t(256, seed=1).to(DEV)
+    torch.openreg.synchronize()
+    stats = []
+    for enabled in (True, False):
+        with route(enabled):
+            start = torch.openreg.memory_allocated(DEV)
+            c = a * b + a  # two fresh results, the first freed at once
+            during = torch.openreg.memory_allocated(DEV)
+            del c
+            stats.append((during - start, torch.openreg.memory_allocated(DEV) - start))
+    assert stats[0] == stats[1] == (1024, 0)
+
+
+def test_graph_capture_and_async_mode_take_the_boxed_path():
+    a = _t(16).to(DEV)
+    direct, boxed = counts()
+    g = torch.accelerator.Graph()
+    with torch.openreg.graph(g):
+        b = a * 2  # recorded by the capture (through the fallback), not run
+    assert counts() == (direct, boxed + 1)
+    g.replay()
+    torch.testing.assert_close(b.cpu(), a.cpu() * 2)
+    was_async = C._is_async()
+    C._set_async(True)
+    try:
+        direct, boxed = counts()
+        r = (a + 1) * 3
+        torch.openreg.synchronize()
+    finally:
+        C._set_async(was_async)
+    assert counts()[1] > boxed and counts()[0] == direct
+    torch.testing.assert_close(r.cpu(), (a.cpu() + 1) * 3)
+
+
+def test_stream_order_is_kept():
+    # A routed kernel runs in the order of its stream: a result written on a side stream is read
+    # correctly after a wait, as with the fallback.
+    a = torch.zeros(1000, device=DEV)
+    s = torch.openreg.Stream()
+    with torch.openreg.stream(s):
+        for _ in range(20):
+            a.add_(1)
+    torch.openreg.current_stream().wait_stream(s)
+    b = a * 2
+    assert b.cpu().eq(40).all()
+
+
+def test_references_are_unchanged_by_routed_calls():
+    # The route borrows the device tensors and their aliases for the call (no reference count of
+    # its own): after any number of calls, in-place or not, single or in lists, each tensor has
+    # exactly the references it had, C++ and Python alike.
+    import sys
+
+    a, b = _t(8).to(DEV), _t(8, seed=1).to(DEV)
+    params = [_t(4, seed=s).to(DEV) for s in range(5)]
+    grads = [_t(4, seed=10 + s).to(DEV) for s in range(5)]
+    tensors = [a, b] + params + grads
+    before = [(t._use_count(), sys.getrefcount(t)) for t in tensors]
+    for _ in range(50):
+        a.add_(b)
+        c = a * b - 1
+        torch._foreach_mul_(params, 0.99)
+        torch._foreach_add_(params, grads, alpha=0.1)
+        out = torch._foreach_add(params, grads)
+    del c, out
+    assert [(t._use_count(), sys.getrefcount(t)) for t in tensors] == before
+    assert counts()[0] > 0
+
+
+UNARY_AND_MATMUL = {
+    "mm": lambda a, b: a @ b,
+    "addmm": lambda a, b: torch.addmm(b, a, b, beta=0.5, alpha=2),
+    "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.t().unsqueeze(0)),
+    "tanh": lambda a, b: a.tanh(),
+    "sigmoid": lambda a, b: torch.sigmoid(a),
+    "exp": lambda a, b: a.exp(),
+    "neg": lambda a, b: -a,
+    "relu": lambda a, b: torch.relu(a - 0.5),
+    "pow": lambda a, b: a ** 3,
+    "sum_dim": lambda a, b: a.sum(1),
+    "mean_dim": lambda a, b: a.mean(0, keepdim=True),
+    "softmax": lambda a, b: torch.softmax(a, -1),
+    "log_softmax": lambda a, b: torch.log_softmax(a, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY_AND_MATMUL))
+def test_matrix_products_and_activations_match_the_cpu_and_the_fallback(name):
+    fn = UNARY_AND_MATMUL[name]
+    direct_before, _ = counts()
+    (cpu, _), (r, _), (fb, _) = run_everywhere(fn, _t(3, 3), _t(3, 3, seed=1))
+    assert counts()[0] > direct_before
+    assert r.device.type == "openreg"
+    assert_same(cpu, r)
+    assert_same(cpu, fb)
+
+
+def test_activation_backward_kernels_match_the_cpu():
+    # tanh_backward, sigmoid_backward, threshold_backward (relu), _softmax_backward_data and
+    # _log_softmax's backward run on the autograd device thread through the route.
+    x_cpu = (_t(4, 5) - 0.5).double().requires_grad_()
+    x_dev = x_cpu.detach().to(DEV).requires_grad_()
+    direct_before, _ = counts()
+    for x in (x_cpu, x_dev):
+        y = torch.tanh(x) + torch.sigmoid(x) * torch.relu(x) + torch.softmax(x, -1)
+        (y * torch.log_softmax(x, 0)).sum().backward()
+    assert counts()[0] > direct_before
+    torch.testing.assert_close(x_dev.grad.cpu(), x_cpu.grad)
+    assert torch.autograd.gradcheck(lambda t: torch.softmax(torch.tanh(t) @ t.t(), -1),
+                                    (x_dev[:3, :3].detach().requires_grad_(),))
