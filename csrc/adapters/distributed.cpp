@@ -323,14 +323,10 @@ std::string describe(const at::Tensor& t) {
   s << t.scalar_type() << t.sizes();
   return s.str();
 }
-std::string describe(const TensorList& ts) {
+template <typename T>  // a tensor list, or a list of them
+std::string describe(const std::vector<T>& items) {
   std::string s = "(";
-  for (size_t i = 0; i < ts.size(); ++i) s += (i ? ", " : "") + describe(ts[i]);
-  return s + ")";
-}
-std::string describe(const std::vector<TensorList>& ls) {
-  std::string s = "(";
-  for (size_t i = 0; i < ls.size(); ++i) s += (i ? ", " : "") + describe(ls[i]);
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? ", " : "") + describe(items[i]);
   return s + ")";
 }
 std::string describe(const ReduceOp& op) {
@@ -437,7 +433,10 @@ class OcclBackend : public Backend {
   template <typename Options, typename GlooCall>
   c10::intrusive_ptr<Work> reduce_in_place(TensorList& tensors, const Options& opts, OpType type,
                                            GlooCall gloo_call) {
-    agree({c10d::opTypeToString(type) + "(" + describe(opts.reduceOp) + ") " + describe(tensors)});
+    agree([&] {
+      return Signature{c10d::opTypeToString(type) + "(" + describe(opts.reduceOp) + ") " +
+                       describe(tensors)};
+    });
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
@@ -471,8 +470,10 @@ class OcclBackend : public Backend {
   // (partial reductions), as with gloo on the CPU, and AVG divides it there too, as gloo on the
   // CPU does (NCCL leaves non-root tensors unchanged; docs/distributed.md).
   c10::intrusive_ptr<Work> reduce(TensorList& tensors, const c10d::ReduceOptions& opts) override {
-    agree({"REDUCE(" + describe(opts.reduceOp) + ", root " + std::to_string(opts.rootRank) +
-           ") " + describe(tensors)});
+    agree([&] {
+      return Signature{"REDUCE(" + describe(opts.reduceOp) + ", root " +
+                       std::to_string(opts.rootRank) + ") " + describe(tensors)};
+    });
     Call call;
     TensorList a = call.alias(tensors);
     Reduction r = reduction(opts.reduceOp);
@@ -487,7 +488,10 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> broadcast(TensorList& tensors,
                                       const c10d::BroadcastOptions& opts) override {
-    agree({"BROADCAST(root " + std::to_string(opts.rootRank) + ") " + describe(tensors)});
+    agree([&] {
+      return Signature{"BROADCAST(root " + std::to_string(opts.rootRank) + ") " +
+                       describe(tensors)};
+    });
     Call call;
     TensorList a = call.alias(tensors);
     call.start();
@@ -496,7 +500,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> allgather(std::vector<TensorList>& outputs, TensorList& inputs,
                                      const c10d::AllgatherOptions& opts) override {
-    agree({"ALLGATHER " + describe(inputs) + " -> " + describe(outputs)});
+    agree([&] { return Signature{"ALLGATHER " + describe(inputs) + " -> " + describe(outputs)}; });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -506,7 +510,9 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                            const c10d::AllgatherOptions& opts) override {
-    agree({"ALLGATHER_BASE " + describe(input) + " -> " + describe(output)});
+    agree([&] {
+      return Signature{"ALLGATHER_BASE " + describe(input) + " -> " + describe(output)};
+    });
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -517,7 +523,9 @@ class OcclBackend : public Backend {
   c10::intrusive_ptr<Work> allgather_coalesced(std::vector<TensorList>& outputs,
                                                TensorList& inputs,
                                                const c10d::AllgatherOptions& opts) override {
-    agree({"ALLGATHER_COALESCED " + describe(inputs) + " -> " + describe(outputs)});
+    agree([&] {
+      return Signature{"ALLGATHER_COALESCED " + describe(inputs) + " -> " + describe(outputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -528,7 +536,10 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
       TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions& opts) override {
-    agree({"ALLGATHER_INTO_TENSOR_COALESCED " + describe(inputs) + " -> " + describe(outputs)});
+    agree([&] {
+      return Signature{"ALLGATHER_INTO_TENSOR_COALESCED " + describe(inputs) + " -> " +
+                       describe(outputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -540,7 +551,9 @@ class OcclBackend : public Backend {
   c10::intrusive_ptr<Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
                                   const c10d::GatherOptions& opts) override {
     // only the root has outputs
-    agree({"GATHER(root " + std::to_string(opts.rootRank) + ") " + describe(inputs)});
+    agree([&] {
+      return Signature{"GATHER(root " + std::to_string(opts.rootRank) + ") " + describe(inputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -551,7 +564,9 @@ class OcclBackend : public Backend {
   c10::intrusive_ptr<Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
                                    const c10d::ScatterOptions& opts) override {
     // only the root has inputs
-    agree({"SCATTER(root " + std::to_string(opts.rootRank) + ") " + describe(outputs)});
+    agree([&] {
+      return Signature{"SCATTER(root " + std::to_string(opts.rootRank) + ") " + describe(outputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -562,7 +577,9 @@ class OcclBackend : public Backend {
   c10::intrusive_ptr<Work> reduce_scatter(TensorList& outputs, std::vector<TensorList>& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
     // outputs may differ by rank (each rank's share of the inputs, which all ranks pass alike)
-    agree({"REDUCE_SCATTER(" + describe(opts.reduceOp) + ") " + describe(inputs)});
+    agree([&] {
+      return Signature{"REDUCE_SCATTER(" + describe(opts.reduceOp) + ") " + describe(inputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -579,8 +596,10 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                 const c10d::ReduceScatterOptions& opts) override {
-    agree({"REDUCE_SCATTER_BASE(" + describe(opts.reduceOp) + ") " + describe(input) + " -> " +
-           describe(output)});
+    agree([&] {
+      return Signature{"REDUCE_SCATTER_BASE(" + describe(opts.reduceOp) + ") " + describe(input) +
+                       " -> " + describe(output)};
+    });
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -596,8 +615,10 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
       TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) override {
-    agree({"REDUCE_SCATTER_TENSOR_COALESCED(" + describe(opts.reduceOp) + ") " +
-           describe(inputs) + " -> " + describe(outputs)});
+    agree([&] {
+      return Signature{"REDUCE_SCATTER_TENSOR_COALESCED(" + describe(opts.reduceOp) + ") " +
+                       describe(inputs) + " -> " + describe(outputs)};
+    });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -616,7 +637,7 @@ class OcclBackend : public Backend {
                                          std::vector<int64_t>& output_splits,
                                          std::vector<int64_t>& input_splits,
                                          const c10d::AllToAllOptions& opts) override {
-    agree(all_to_all_single(output, input, output_splits, input_splits));
+    agree([&] { return all_to_all_single(output, input, output_splits, input_splits); });
     Call call;
     at::Tensor ao = call.alias(output);
     at::Tensor ai = call.alias(input);
@@ -627,7 +648,7 @@ class OcclBackend : public Backend {
 
   c10::intrusive_ptr<Work> alltoall(TensorList& outputs, TensorList& inputs,
                                     const c10d::AllToAllOptions& opts) override {
-    agree(all_to_all(outputs, inputs));
+    agree([&] { return all_to_all(outputs, inputs); });
     Call call;
     auto ao = call.alias(outputs);
     auto ai = call.alias(inputs);
@@ -657,7 +678,7 @@ class OcclBackend : public Backend {
   }
 
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
-    agree({"BARRIER"});
+    agree([&] { return Signature{"BARRIER"}; });
     Call call;
     call.start();
     return record(call.finish(OpType::BARRIER, gloo_->barrier(opts), {}));
@@ -694,8 +715,8 @@ class OcclBackend : public Backend {
             per_peer(input, input_splits), per_peer(output, output_splits)};
   }
   Signature all_to_all(const TensorList& outputs, const TensorList& inputs) const {
-    Signature sig{"ALLTOALL " +
-                  (inputs.empty() ? std::string() : std::string(c10::toString(inputs[0].scalar_type())))};
+    Signature sig{"ALLTOALL "};
+    if (!inputs.empty()) sig.text += c10::toString(inputs[0].scalar_type());
     for (const auto& t : inputs) sig.sends.push_back(t.numel());
     for (const auto& t : outputs) sig.receives.push_back(t.numel());
     return sig;
@@ -710,10 +731,12 @@ class OcclBackend : public Backend {
   // [docs:start OCCL_AGREE_CALL]
   // Raises on every rank when the ranks are not about to run the same collective (see
   // Signature). Errors of the exchange itself (a timeout, a peer gone) are gloo's, as the
-  // collective's own would have been.
-  void agree(const Signature& mine) {
+  // collective's own would have been. `signature` builds the description only when it is used.
+  template <typename Describe>
+  void agree(Describe signature) {
     const int n = getSize();
     if (!check_ || n == 1) return;
+    const Signature mine = signature();
     const int64_t width = 1 + 2 * n;
     at::Tensor record = at::zeros({width}, at::kLong);
     int64_t* r = record.data_ptr<int64_t>();
@@ -722,8 +745,7 @@ class OcclBackend : public Backend {
       r[1 + j] = mine.sends[j];
     for (size_t j = 0; j < mine.receives.size() && j < static_cast<size_t>(n); ++j)
       r[1 + n + j] = mine.receives[j];
-    at::Tensor records = at::empty({n * width}, at::kLong);
-    gloo_->_allgather_base(records, record, c10d::AllgatherOptions())->wait();
+    at::Tensor records = gather_all(record);
     const int64_t* all = records.data_ptr<int64_t>();
     std::string counts;  // the first all-to-all count that does not match, if any
     bool same = true;
@@ -747,8 +769,7 @@ class OcclBackend : public Backend {
     }
     at::Tensor text = at::zeros({static_cast<int64_t>(kText)}, at::kByte);
     std::memcpy(text.data_ptr(), shown.data(), shown.size());
-    at::Tensor texts = at::empty({n * static_cast<int64_t>(kText)}, at::kByte);
-    gloo_->_allgather_base(texts, text, c10d::AllgatherOptions())->wait();
+    at::Tensor texts = gather_all(text);
     std::vector<std::pair<std::string, std::vector<int>>> calls;  // description, its ranks
     for (int i = 0; i < n; ++i) {
       std::string call(reinterpret_cast<const char*>(texts.data_ptr<uint8_t>() + i * kText));
@@ -779,6 +800,13 @@ class OcclBackend : public Backend {
     TORCH_CHECK(false, message,
                 ". occl compares each collective's shapes across the group before running it "
                 "(OPENREG_OCCL_CHECK=0 turns this off; docs/distributed.md)");
+  }
+  // Every rank's `mine`, one after the other, through gloo (the host waits).
+  at::Tensor gather_all(const at::Tensor& mine) {
+    at::Tensor all = at::empty({getSize() * mine.numel()}, mine.options());
+    at::Tensor in = mine;
+    gloo_->_allgather_base(all, in, c10d::AllgatherOptions())->wait();
+    return all;
   }
   // [docs:end OCCL_AGREE_CALL]
 
