@@ -1,7 +1,7 @@
 """CPU and openreg side by side, in one process, with default autograd settings.
 
     python benchmarks/run.py [--rounds R] [--steps N] [--device openreg:0] [--phases]
-                             [--backward-on-caller] [workload ...]
+                             [--backward-on-caller] [--optimizer-default] [workload ...]
 
 Rounds alternate CPU and openreg so that both see the same machine load; the reported time is
 the median over all measured steps, the ratio is openreg / CPU. Targets (the README's
@@ -15,7 +15,9 @@ backward spent inside kernels on the device thread, the kernels per backward, an
 the last kernel to the return of backward(). A regression of the device thread shows there.
 --backward-on-caller runs backward on the thread that calls it (autograd multithreading off), for
 both devices: not openreg's configuration, but the bound on what the device threads cost
-(docs/autograd.md).
+(docs/autograd.md). The training steps' SGD uses the for-loop implementation on both devices (the
+CPU's default) so that both run the same kernels; --optimizer-default leaves the choice to torch,
+which takes the foreach operators on openreg as on any accelerator (benchmarks/workloads.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402
 from workloads import WORKLOADS, measure  # noqa: E402
 
 
@@ -79,12 +82,20 @@ def main() -> int:
                         help="also print forward / backward / optimizer medians (ms)")
     parser.add_argument("--backward-on-caller", action="store_true",
                         help="autograd multithreading off for both devices (not openreg's setup)")
+    parser.add_argument("--optimizer-default", action="store_true",
+                        help="let torch choose the SGD implementation per device (foreach on "
+                             "openreg, the for-loop on the CPU) instead of the for-loop on both")
     args = parser.parse_args()
+    if args.optimizer_default:
+        workloads.OPTIMIZER_FOREACH = None
     if args.backward_on_caller:
         torch.autograd.set_multithreading_enabled(False)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} cores, device {args.device}\n")
+    print("SGD: " + ("torch's choice per device (foreach on openreg, for-loop on the CPU)"
+                     if args.optimizer_default else "the for-loop implementation on both devices")
+          + "\n")
     if args.backward_on_caller:
         print("backward on the calling thread (autograd multithreading off): not openreg's "
               "configuration\n")

@@ -35,6 +35,15 @@ def tiny_adds(device: str, n: int = 100) -> Step:
     return step
 
 
+# The optimizer's implementation, the same on both devices: the for-loop one, which the CPU uses
+# by default. Left to torch (None), the step would use the for-loop on the CPU and the foreach
+# operators on openreg, as on every accelerator (torch.optim picks foreach for the devices of
+# `_get_foreach_kernels_supported_devices()`), and the two would not run the same kernels: on the
+# MLP the foreach form is about 10% slower on either device (each momentum buffer leaves the
+# cache between its multiply and its add). `benchmarks/run.py --optimizer-default` sets None.
+OPTIMIZER_FOREACH: bool | None = False
+
+
 def _train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                 loss_fn: Callable, lr: float = 0.01, phases: list | None = None) -> Step:
     """One SGD step. With `phases`, each step appends its (forward, backward, optimizer) seconds;
@@ -43,7 +52,7 @@ def _train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     device thread's first kernel, the time inside kernels on the device thread, their number, and
     from the last kernel's end to the return of backward() (seconds, counters of
     csrc/adapters/autograd.cpp)."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=OPTIMIZER_FOREACH)
     device_thread = None
     if phases is not None and inputs.device.type == "openreg":
         from torch_openreg import _C

@@ -266,6 +266,95 @@ def test_not_following_gives_the_device_thread_its_own_affinity_back(following):
     assert _device_thread_affinity(device) == set(following)
 
 
+def _affinities_during_backward(device, inside=None):
+    """The affinities of this (the calling) thread and of the device thread, seen from inside a
+    backward on the device thread after one of its kernels; `inside()` runs there too."""
+    caller = threading.get_native_id()
+    seen = {}
+
+    def hook(grad):
+        seen["caller"] = os.sched_getaffinity(caller)
+        seen["device"] = os.sched_getaffinity(0)
+        if inside is not None:
+            inside()
+        return grad
+
+    x = torch.ones(4, device=device, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    (y * 3).sum().backward()
+    return seen
+
+
+def _given_back(device):
+    """This thread's affinity once backward has let go of it: when the engine drops the
+    backward's graph task (on this thread before backward() returns, or on the device thread a
+    moment later), at the latest at this thread's next kernel."""
+    torch.ones(1, device=device).add_(1)
+    return os.sched_getaffinity(0)
+
+
+def test_the_caller_waits_on_the_device_threads_core_until_backward_ends(following):
+    # While backward runs, the thread that called it is kept on the device thread's core, so
+    # that the scheduler wakes it there at the end instead of on the other (idle) core
+    # (docs/autograd.md); then it has its own affinity back.
+    device = torch.device("openreg:0")
+    for _ in range(3):
+        seen = _affinities_during_backward(device)
+        assert len(seen["device"]) == 1 and seen["caller"] == seen["device"]
+        assert _given_back(device) == set(following)
+
+
+def test_a_backward_that_raises_gives_the_caller_its_affinity_back(following):
+    device = torch.device("openreg:0")
+    x = torch.ones(4, device=device, requires_grad=True)
+    y = x * 2
+
+    def hook(grad):
+        raise ValueError("hook failed")
+
+    y.register_hook(hook)
+    with pytest.raises(ValueError, match="hook failed"):
+        (y * 3).sum().backward()
+    assert _given_back(device) == set(following)
+
+
+def test_an_affinity_the_user_sets_during_backward_is_kept(following):
+    # The caller's affinity is given back only if nobody changed it meanwhile.
+    device = torch.device("openreg:0")
+    caller = threading.get_native_id()
+    other = {following[1]}
+    seen = _affinities_during_backward(
+        device, inside=lambda: os.sched_setaffinity(caller, other))
+    assert seen["caller"] == seen["device"]
+    assert _given_back(device) == other
+
+
+def test_stopping_following_gives_the_waiting_caller_its_affinity_back(following):
+    from torch_openreg import _C
+
+    device = torch.device("openreg:0")
+    caller = threading.get_native_id()
+    after = {}
+
+    def stop():
+        _C._set_autograd_follow_caller(False)
+        after["caller"] = os.sched_getaffinity(caller)
+
+    seen = _affinities_during_backward(device, inside=stop)
+    assert len(seen["caller"]) == 1
+    assert after["caller"] == set(following)
+    assert _given_back(device) == set(following)
+
+
+def test_a_caller_confined_to_one_core_is_left_alone(following):
+    device = torch.device("openreg:0")
+    os.sched_setaffinity(0, {following[1]})
+    seen = _affinities_during_backward(device)
+    assert seen["caller"] == seen["device"] == {following[1]}
+    assert _given_back(device) == {following[1]}
+
+
 _FOLLOW_SCRIPT = textwrap.dedent("""
     import os, threading, torch
     from torch_openreg import _C
@@ -305,9 +394,9 @@ _FOLLOW_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_following_is_off_unless_the_environment_asks_for_it():
+def test_following_is_on_unless_the_environment_turns_it_off():
     script = _FOLLOW_SCRIPT + textwrap.dedent("""
-        assert _C._autograd_follow_caller() == (os.environ.get("OPENREG_AUTOGRAD_FOLLOW_CALLER") == "1")
+        assert _C._autograd_follow_caller() == (os.environ.get("OPENREG_AUTOGRAD_FOLLOW_CALLER") != "0")
         want = {min(full)} if _C._autograd_follow_caller() else full
         assert affinity() == want, (affinity(), want)
         print("ok")

@@ -29,6 +29,8 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <pthread.h>
 #include <sched.h>
@@ -43,6 +45,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -90,7 +93,7 @@ namespace {
 
 bool follow_from_env() {
   const char* env = std::getenv("OPENREG_AUTOGRAD_FOLLOW_CALLER");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 std::atomic<bool> g_follow{follow_from_env()};
@@ -131,16 +134,25 @@ int64_t monotonic_ns() {
   return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// Bumped when the device threads get the process's affinity back: a device thread then forgets
+// the core it was moved to.
+std::atomic<int> g_placement_epoch{0};
+thread_local int t_epoch = 0;
+
 void restore_moved_workers_locked() {
+  g_placement_epoch.fetch_add(1);
   for (pid_t tid : moved_workers()) sched_setaffinity(tid, sizeof(cpu_set_t), &g_process_affinity);
   moved_workers().clear();
   g_moved_workers.store(0);
 }
 
+void release_pinned_caller_locked();
+
 void stop_following() {
   std::lock_guard lock(g_moved_mutex);
   g_follow.store(false);
   restore_moved_workers_locked();
+  release_pinned_caller_locked();
 }
 
 // On a device thread: moves it to `cpu` (the caller runs there, so it is allowed; the kernel
@@ -167,14 +179,102 @@ void move_to(int cpu) {
   t_cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
 }
 
+// [docs:start PIN_CALLER]
+// The host thread waiting for a backward is kept on the device thread's core until that backward
+// ends: the scheduler then wakes it there, where the device thread is about to go to sleep,
+// instead of on another core that may be idle (waking an idle core is the slow part of a handoff
+// on a virtual machine). g_pinned_caller is its thread id (0: none); the rest is under
+// g_moved_mutex. Its own affinity comes back when the engine drops the backward's GraphTask
+// (CallerPin, held by one of the GraphTask's final callbacks), at its next kernel, or before it
+// forks, whichever comes first; an affinity the user set in between is kept.
+thread_local pid_t t_tid = 0;            // this thread's id, once known
+thread_local int t_pin_task = -1;        // device thread: the graph task it last pinned for
+std::atomic<pid_t> g_caller_tid{0};      // the host thread of the last host kernel
+std::atomic<pid_t> g_pinned_caller{0};
+cpu_set_t g_pinned_caller_saved;         // its affinity before
+int g_pinned_caller_cpu = -1;            // the core it was pinned to
+std::atomic<int64_t> g_stat_pins{0};
+
+pid_t current_tid() {
+  if (t_tid == 0) t_tid = static_cast<pid_t>(syscall(SYS_gettid));
+  return t_tid;
+}
+
+// Gives the pinned caller its affinity back, unless it was changed since (then the new one is
+// kept). Under g_moved_mutex.
+void release_pinned_caller_locked() {
+  const pid_t tid = g_pinned_caller.exchange(0);
+  if (tid == 0) return;
+  cpu_set_t now;
+  if (sched_getaffinity(tid, sizeof(cpu_set_t), &now) != 0) return;  // thread gone
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(g_pinned_caller_cpu, &one);
+  if (CPU_EQUAL(&now, &one)) sched_setaffinity(tid, sizeof(cpu_set_t), &g_pinned_caller_saved);
+}
+
+void release_pinned_caller(pid_t tid) {
+  std::lock_guard lock(g_moved_mutex);
+  if (g_pinned_caller.load() == tid) release_pinned_caller_locked();
+}
+
+// Lives as long as the backward's GraphTask (held by a final callback of it). The engine drops
+// the GraphTask after it has woken the caller: on the caller's thread before backward() returns,
+// or on the device thread just after. The caller's next kernel gives its affinity back too,
+// whichever comes first.
+struct CallerPin {
+  pid_t tid;
+  ~CallerPin() { release_pinned_caller(tid); }
+};
+
+// On a device thread running on `cpu`, once per backward: keeps the host thread `tid` (the one
+// that ran the last host kernel, waiting for this backward) on `cpu` until the backward ends.
+void pin_caller(pid_t tid, int cpu) {
+  cpu_set_t saved;
+  if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(tid, sizeof(cpu_set_t), &saved) != 0 ||
+      !CPU_ISSET(cpu, &saved) || CPU_COUNT(&saved) == 1)
+    return;  // not allowed there, already on one core, or gone
+  std::function<void()> callback;
+  try {
+    auto pin = std::make_shared<CallerPin>(CallerPin{tid});
+    callback = [pin] {};
+    // Throws outside a backward (no current graph task): then nothing is pinned.
+    torch::autograd::Engine::get_default_engine().queue_callback(callback);
+  } catch (...) {
+    return;
+  }
+  std::lock_guard lock(g_moved_mutex);
+  if (!g_follow.load() || g_pinned_caller.load() != 0) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  if (sched_setaffinity(tid, sizeof(cpu_set_t), &one) != 0) return;
+  g_pinned_caller_saved = saved;
+  g_pinned_caller_cpu = cpu;
+  g_pinned_caller.store(tid);
+  g_stat_pins.fetch_add(1, std::memory_order_relaxed);
+}
+
+// [docs:end PIN_CALLER]
+
 // A forked child has none of the parent's threads: it must not adjust threads by the parent's
-// thread ids (in the child they may name threads of other processes).
-[[maybe_unused]] const int g_fork_handler = pthread_atfork(nullptr, nullptr, [] {
-  new (&g_moved_mutex) std::mutex();
-  moved_workers().clear();
-  g_moved_workers.store(0);
-  g_workers_in_kernel.store(0);
-});
+// thread ids (in the child they may name threads of other processes). A caller still pinned
+// gets its affinity back before it forks, so that the child does not start on one core.
+[[maybe_unused]] const int g_fork_handler = pthread_atfork(
+    [] {
+      const pid_t tid = current_tid();
+      if (g_pinned_caller.load() == tid) release_pinned_caller(tid);
+    },
+    nullptr,
+    [] {
+      new (&g_moved_mutex) std::mutex();
+      moved_workers().clear();
+      g_moved_workers.store(0);
+      g_workers_in_kernel.store(0);
+      g_caller_tid.store(0);
+      g_pinned_caller.store(0);
+      t_tid = 0;  // the child's thread has an id of its own
+    });
 
 }  // namespace
 
@@ -194,17 +294,23 @@ void move_to(int cpu) {
 // in one backward), sharing one core would serialise them: the first time a thread starts a
 // kernel while a device thread is inside one, the device threads get the process's affinity back
 // and stop following, for the rest of the process.
-// Off unless OPENREG_AUTOGRAD_FOLLOW_CALLER=1: on an idle machine the caller does not stay put.
-// When the device thread wakes it at the end of backward, the scheduler puts the caller on the
-// idle core, so the device thread chases it every step (one move per step, measured) and the
-// optimizer still reads the gradients across cores: MLP backward 0.82-0.87 ms following against
-// 0.66 ms not following (idle, OMP_NUM_THREADS=1). It helped only with no idle core (another
-// process on it): 0.56 against 0.73 ms, one measurement (docs/autograd.md).
+// Following alone is not enough on an idle machine: when the device thread wakes the caller at
+// the end of backward, the device thread is still running on the caller's core, so the scheduler
+// wakes the caller on the idle core (on this VM, through the hypervisor: 90 us), and the device
+// thread chases it at the next backward. So the device thread also keeps the caller on its core
+// for the duration of the backward (pin_caller, PIN_CALLER above): measured on the idle machine,
+// OMP_NUM_THREADS=1, a backward of one small kernel took 26 us instead of 106 us (CPU 16 us),
+// the MLP step 1.16-1.20x the CPU instead of 1.37-1.39x (docs/autograd.md).
+// On by default; OPENREG_AUTOGRAD_FOLLOW_CALLER=0 leaves the placement to the scheduler.
 DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
   if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
   if (t_role == 0) {
     if (!g_follow.load(std::memory_order_relaxed)) return;
+    const pid_t tid = current_tid();
+    if (g_pinned_caller.load(std::memory_order_relaxed) == tid) release_pinned_caller(tid);
+    if (g_caller_tid.load(std::memory_order_relaxed) != tid)
+      g_caller_tid.store(tid, std::memory_order_relaxed);
     const int cpu = sched_getcpu();
     if (cpu != t_cpu) {
       t_cpu = cpu;
@@ -217,10 +323,23 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     return;
   }
   if (g_follow.load(std::memory_order_relaxed)) {
+    const int epoch = g_placement_epoch.load(std::memory_order_relaxed);
+    if (t_epoch != epoch) {
+      t_epoch = epoch;
+      t_cpu = -1;
+    }
     // Moved there before and still there (its affinity may have been changed since).
     const int target = g_caller_cpu.load(std::memory_order_relaxed);
     if (target >= 0 && t_cpu != -2 - target && (target != t_cpu || target != sched_getcpu()))
       move_to(target);
+    if (target >= 0 && t_cpu == target) {
+      const int task = torch::autograd::get_current_graph_task_id();
+      if (task != t_pin_task) {
+        t_pin_task = task;
+        const pid_t caller = g_caller_tid.load(std::memory_order_relaxed);
+        if (task >= 0 && caller != 0) pin_caller(caller, target);
+      }
+    }
     // Counted only while following, the one use of the count. Two device threads in kernels at
     // once (a backward over two devices): same rule.
     counted_ = true;
@@ -251,7 +370,10 @@ bool follow_caller_enabled() { return g_follow.load(); }
 void set_follow_caller(bool enabled) {
   std::lock_guard lock(g_moved_mutex);
   g_follow.store(enabled);
-  if (!enabled) restore_moved_workers_locked();
+  if (!enabled) {
+    restore_moved_workers_locked();
+    release_pinned_caller_locked();
+  }
 }
 
 DeviceThreadStats device_thread_stats() {
@@ -266,6 +388,7 @@ void reset_device_thread_stats(bool enabled) {
   g_stat_first.store(0);
   g_stat_last.store(0);
   g_stat_moves.store(0);
+  g_stat_pins.store(0);
   g_stats.store(enabled);
 }
 
