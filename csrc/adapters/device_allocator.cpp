@@ -115,7 +115,7 @@ class DeviceCache {
         stats_.num_ooms++;
         raise_oom(requested);
       }
-      block = new Block{device_, stream, segment_size, 0, mem, small};
+      block = new_block(stream, segment_size, mem, small);
       update(stats_, &DeviceStats::segment, small, 1);
       update(stats_, &DeviceStats::reserved_bytes, small, segment_size);
       stats_.num_device_alloc++;
@@ -124,13 +124,13 @@ class DeviceCache {
     // Split off the tail if worth keeping.
     size_t remaining = block->size - size;
     if ((small && remaining >= kMinBlockSize) || (!small && remaining > kSmallSize)) {
-      auto* rest = new Block{device_, stream, remaining, 0, block->ptr + size, small};
+      Block* rest = new_block(stream, remaining, block->ptr + size, small);
       rest->prev = block;
       rest->next = block->next;
       if (rest->next) rest->next->prev = rest;
       block->next = rest;
       block->size = size;
-      pool.insert(rest);
+      pool_insert(pool, rest);
     }
     block->allocated = true;
     block->requested = requested;
@@ -228,7 +228,7 @@ class DeviceCache {
       for (auto b = pool->begin(); b != pool->end();) {
         Block* block = *b;
         if (block->stream != key || block->prev || block->next) { ++b; continue; }
-        b = pool->erase(b);
+        b = pool_erase(*pool, b);
         free_segment(block);
       }
   }
@@ -317,7 +317,7 @@ class DeviceCache {
     // allocator with its default settings. (Refusing blocks of 10 MiB and more for smaller
     // requests made every 1-10 MiB request reserve a new 20 MiB segment once the free pieces of
     // a segment had merged back: the CNN benchmark reserved 2.4 GB in 13 steps.)
-    pool.erase(it);
+    pool_erase(pool, it);
     return block;
   }
 
@@ -330,7 +330,7 @@ class DeviceCache {
     update(stats_, &DeviceStats::segment, b->small, -1);
     update(stats_, &DeviceStats::reserved_bytes, b->small, -int64_t(b->size));
     stats_.num_device_free++;
-    delete b;
+    delete_block(b);
   }
 
   // Returns a freed block to its pool, merging it with free neighbours.
@@ -340,7 +340,7 @@ class DeviceCache {
     update(stats_, &DeviceStats::active_bytes, block->small, -int64_t(block->size));
     for (Block* neighbour : {block->prev, block->next}) {
       if (!neighbour || neighbour->allocated || neighbour->pending_events > 0) continue;
-      pool.erase(neighbour);
+      pool_erase(pool, pool.find(neighbour));
       if (neighbour == block->prev) {
         block->ptr = neighbour->ptr;
         block->prev = neighbour->prev;
@@ -350,7 +350,7 @@ class DeviceCache {
         if (block->next) block->next->prev = block;
       }
       block->size += neighbour->size;
-      delete neighbour;
+      delete_block(neighbour);
     }
     // The last piece of a released graph pool's segment: back to the driver.
     if (block->stream >= kPoolKeyBase && !live_pool(block->stream) && !block->prev &&
@@ -358,7 +358,7 @@ class DeviceCache {
       free_segment(block);
       return;
     }
-    pool.insert(block);
+    pool_insert(pool, block);
   }
 
   // Free blocks that are pieces of a split segment (they cannot go back to the driver):
@@ -409,7 +409,7 @@ class DeviceCache {
           ++it;
           continue;
         }
-        it = pool->erase(it);
+        it = pool_erase(*pool, it);
         free_segment(b);
       }
     }
@@ -436,10 +436,49 @@ class DeviceCache {
   }
   // [docs:end RAISE_OOM]
 
+  // [docs:start SPARE_NODES]
+  // A tiny tensor's allocation and free split a cached block and merge it back: two Block
+  // objects and two nodes of the free pools' trees made and destroyed each time, six calls of
+  // malloc and free per tensor (a visible share of a loop of tiny operators, docs/fallback.md).
+  // The blocks and tree nodes are kept for reuse instead (the trees' own nodes, taken out with
+  // extract() and put back with insert()), up to kSpare of each.
+  using Pool = std::set<Block*, BlockOrder>;
+  static constexpr size_t kSpare = 256;
+  Block* new_block(int64_t stream, size_t size, char* ptr, bool small) {
+    if (spare_blocks_.empty()) return new Block{device_, stream, size, 0, ptr, small};
+    Block* b = spare_blocks_.back();
+    spare_blocks_.pop_back();
+    *b = Block{device_, stream, size, 0, ptr, small};
+    return b;
+  }
+  void delete_block(Block* b) {
+    if (spare_blocks_.size() < kSpare) spare_blocks_.push_back(b);
+    else delete b;
+  }
+  void pool_insert(Pool& pool, Block* b) {
+    if (spare_nodes_.empty()) {
+      pool.insert(b);
+      return;
+    }
+    Pool::node_type node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.value() = b;
+    pool.insert(std::move(node));
+  }
+  Pool::iterator pool_erase(Pool& pool, Pool::iterator it) {
+    auto next = std::next(it);
+    Pool::node_type node = pool.extract(it);
+    if (spare_nodes_.size() < kSpare) spare_nodes_.push_back(std::move(node));
+    return next;
+  }
+  // [docs:end SPARE_NODES]
+
   const int device_;
   size_t limit_;
   std::mutex mutex_;
-  std::set<Block*, BlockOrder> small_free_, large_free_;
+  Pool small_free_, large_free_;
+  std::vector<Block*> spare_blocks_;
+  std::vector<Pool::node_type> spare_nodes_;
   ska::flat_hash_map<void*, Block*> live_;  // open addressing: no node allocated per block
   std::deque<std::pair<EventPtr, Block*>> outstanding_;
   DeviceStats stats_;

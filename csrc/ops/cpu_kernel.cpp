@@ -90,14 +90,16 @@ struct HostKernel::AliasCache {
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> device;
     at::Tensor cpu;
     c10::Storage storage;  // the storage made for `cpu`, borrowing the device memory
-    bool busy = false;     // handed out to a call that has not ended
+    // The session the alias is handed out to (nullptr: free). A call finds a tensor it passes
+    // twice by this mark, without a search.
+    const HostKernel::Session* owner = nullptr;
   };
   ska::flat_hash_map<const c10::TensorImpl*, std::unique_ptr<Entry>> entries;
   size_t sweep_at = 1024;
 
   void sweep() {
     for (auto it = entries.begin(); it != entries.end();) {
-      if (!it->second->busy && it->second->device.expired()) it = entries.erase(it);
+      if (it->second->owner == nullptr && it->second->device.expired()) it = entries.erase(it);
       else ++it;
     }
     sweep_at = std::max<size_t>(1024, 2 * entries.size());
@@ -121,8 +123,8 @@ class AddressIndex {
       if (s.key == key) return int(s.value);
     }
   }
-  // Keeps the first position given for a key.
-  void insert(uintptr_t key, uint32_t value) {
+  // Keeps the first position given for a key: returns it, or -1 if `value` was inserted.
+  int insert(uintptr_t key, uint32_t value) {
     if (2 * (size_ + 1) > slots_.size()) grow();
     const size_t mask = slots_.size() - 1;
     for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
@@ -130,9 +132,9 @@ class AddressIndex {
       if (s.gen != gen_) {
         s = {key, value, gen_};
         ++size_;
-        return;
+        return -1;
       }
-      if (s.key == key) return;
+      if (s.key == key) return int(s.value);
     }
   }
   void clear() {
@@ -182,19 +184,19 @@ struct HostKernel::Session {
   // reference), but only borrows what is held anyway while the call runs: the cache's aliases
   // (held by their entries) and the storages of aliases and of device tensors.
   struct AliasedTensor {
-    at::Tensor owned;                     // an alias made for this call, or a kernel's result
-    const at::Tensor* cached = nullptr;   // or an alias of the cache (its entry holds it)
+    // Built in place (emplace_back): a temporary copied in was a visible share of alias().
+    AliasedTensor(at::Tensor&& owned, AliasCache::Entry* entry, at::Tensor&& device,
+                  c10::StorageImpl* device_storage)
+        : owned(std::move(owned)), entry(entry), device(std::move(device)),
+          device_storage(device_storage) {}
+    at::Tensor owned;                      // an alias made for this call
+    AliasCache::Entry* entry = nullptr;    // or a cached alias handed out to this call
     at::Tensor device;
-    const at::Tensor& cpu() const { return cached != nullptr ? *cached : owned; }
+    c10::StorageImpl* device_storage;      // the device storage a cached alias borrows from
+    const at::Tensor& cpu() const { return entry != nullptr ? entry->cpu : owned; }
   };
   struct AliasedStorage {
     c10::StorageImpl* cpu;
-    c10::StorageImpl* device;
-  };
-  // A cached alias handed out to this call, and the device storage it borrows from.
-  struct CheckedOut {
-    const c10::TensorImpl* key;
-    AliasCache::Entry* entry;
     c10::StorageImpl* device;
   };
   enum Role : uintptr_t { DeviceTensor = 0, CpuTensor = 1, DeviceStorage = 2, CpuStorage = 3 };
@@ -207,14 +209,20 @@ struct HostKernel::Session {
   std::vector<AliasedStorage> storages;
   // The storages of results, held for the session: their addresses stay unique while it runs.
   std::vector<c10::Storage> held;
-  std::vector<CheckedOut> checked_out;
-  // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned).
+  size_t checked_out = 0;  // tensors with a cached alias (an entry marked with this session)
+  // Address | role -> index in `tensors` or `storages` (objects are 8-byte aligned). Each side is
+  // indexed only once it is looked up with more than kLinear entries: every alias looks up the
+  // device storages (shared storages get one CPU storage); the device tensors are looked up only
+  // for tensors the cache did not give (a cached alias handed to this call carries the session's
+  // mark) and by the boxed fallback's write-back; the CPU side only to turn results back into
+  // device tensors, so in-place tensor-list operators (foreach, fused optimizers), which return
+  // nothing, index one key per tensor.
   AddressIndex index;
-  bool indexed = false;
-  // The keys of the CPU side (aliases, their storages) are looked up only to turn results back
-  // into device tensors: they are indexed on the first such lookup, so in-place tensor-list
-  // operators (foreach, fused optimizers), which return nothing, index half as many keys.
+  bool device_tensors_indexed = false;
+  bool device_storages_indexed = false;
   bool cpu_indexed = false;
+  // Tensors of `tensors` whose alias is not a cache entry marked with this session.
+  size_t uncached = 0;
   // The device tensors are borrowed, not held: their caller holds them for the call
   // (HostKernel::caller_holds_arguments).
   bool borrow_devices = false;
@@ -222,8 +230,10 @@ struct HostKernel::Session {
   static uintptr_t key(const void* p, Role r) { return reinterpret_cast<uintptr_t>(p) | r; }
 
   int find_tensor(const c10::TensorImpl* impl, Role r) {
-    if (indexed) {
-      if (r == CpuTensor) index_cpu_side();
+    if (r == DeviceTensor ? (device_tensors_indexed || tensors.size() > kLinear)
+                          : (cpu_indexed || tensors.size() + storages.size() > kLinear)) {
+      if (r == DeviceTensor) index_device_tensors();
+      else index_cpu_side();
       return index.find(key(impl, r));
     }
     for (size_t i = 0; i < tensors.size(); ++i) {
@@ -234,8 +244,10 @@ struct HostKernel::Session {
   }
 
   int find_storage(const c10::StorageImpl* impl, Role r) {
-    if (indexed) {
-      if (r == CpuStorage) index_cpu_side();
+    if (r == DeviceStorage ? (device_storages_indexed || storages.size() > kLinear)
+                           : (cpu_indexed || tensors.size() + storages.size() > kLinear)) {
+      if (r == DeviceStorage) index_device_storages();
+      else index_cpu_side();
       return index.find(key(impl, r));
     }
     for (size_t i = 0; i < storages.size(); ++i) {
@@ -244,14 +256,28 @@ struct HostKernel::Session {
     return -1;
   }
 
-  void index_tensor(size_t i) {
-    index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
-    if (cpu_indexed)
-      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
+  // The position of the device storage among the session's storages; if it has none, -1, and
+  // the caller adds it next (add_storage) with `claimed`: one probe of the index, not two.
+  int claim_device_storage(const c10::StorageImpl* impl, bool& claimed) {
+    claimed = false;
+    if (!device_storages_indexed && storages.size() < kLinear) return find_storage(impl, DeviceStorage);
+    index_device_storages();
+    int found = index.insert(key(impl, DeviceStorage), uint32_t(storages.size()));
+    claimed = found < 0;
+    return found;
   }
-  void index_storage(size_t i) {
-    index.insert(key(storages[i].device, DeviceStorage), uint32_t(i));
-    if (cpu_indexed) index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
+
+  void index_device_tensors() {
+    if (device_tensors_indexed) return;
+    device_tensors_indexed = true;
+    for (size_t i = 0; i < tensors.size(); ++i)
+      index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
+  }
+  void index_device_storages() {
+    if (device_storages_indexed) return;
+    device_storages_indexed = true;
+    for (size_t i = 0; i < storages.size(); ++i)
+      index.insert(key(storages[i].device, DeviceStorage), uint32_t(i));
   }
   void index_cpu_side() {
     if (cpu_indexed) return;
@@ -261,49 +287,53 @@ struct HostKernel::Session {
     for (size_t i = 0; i < storages.size(); ++i)
       index.insert(key(storages[i].cpu, CpuStorage), uint32_t(i));
   }
-  void maybe_build_index() {
-    if (indexed || tensors.size() + storages.size() <= kLinear) return;
-    indexed = true;
-    for (size_t i = 0; i < tensors.size(); ++i) index_tensor(i);
-    for (size_t i = 0; i < storages.size(); ++i) index_storage(i);
+  void index_tensor(size_t i) {
+    if (device_tensors_indexed)
+      index.insert(key(tensors[i].device.unsafeGetTensorImpl(), DeviceTensor), uint32_t(i));
+    if (cpu_indexed)
+      index.insert(key(tensors[i].cpu().unsafeGetTensorImpl(), CpuTensor), uint32_t(i));
   }
 
   at::Tensor hold(const at::Tensor& device) const {
     return borrow_devices ? c10::MaybeOwnedTraits<at::Tensor>::createBorrow(device) : device;
   }
   void add_tensor(at::Tensor cpu, const at::Tensor& device) {
-    tensors.push_back({std::move(cpu), nullptr, hold(device)});
-    if (indexed) index_tensor(tensors.size() - 1);
-    else maybe_build_index();
+    tensors.emplace_back(std::move(cpu), nullptr, hold(device), nullptr);
+    ++uncached;
+    index_tensor(tensors.size() - 1);
   }
-  void add_cached_tensor(const at::Tensor& cpu, const at::Tensor& device) {
-    tensors.push_back({at::Tensor(), &cpu, hold(device)});
-    if (indexed) index_tensor(tensors.size() - 1);
-    else maybe_build_index();
+  // An alias of the cache whose entry is marked with this session.
+  void add_cached_tensor(AliasCache::Entry* e, const at::Tensor& device,
+                         c10::StorageImpl* device_storage) {
+    tensors.emplace_back(at::Tensor(), e, hold(device), device_storage);
+    ++checked_out;
+    index_tensor(tensors.size() - 1);
   }
   // Both storages must stay alive until the session ends (see `held`).
-  void add_storage(c10::StorageImpl* cpu, c10::StorageImpl* device) {
+  void add_storage(c10::StorageImpl* cpu, c10::StorageImpl* device, bool claimed = false) {
+    const size_t i = storages.size();
     storages.push_back({cpu, device});
-    if (indexed) index_storage(storages.size() - 1);
-    else maybe_build_index();
+    if (device_storages_indexed && !claimed) index.insert(key(device, DeviceStorage), uint32_t(i));
+    if (cpu_indexed) index.insert(key(cpu, CpuStorage), uint32_t(i));
   }
 
   void clear() {
     // The call's own aliases and the results go first, so that the cached aliases' reference
     // counts show only who else kept them; the device tensors go last.
-    for (AliasedTensor& a : tensors) a.owned.reset();
+    if (uncached != 0)
+      for (AliasedTensor& a : tensors) a.owned.reset();
     held.clear();
-    if (!checked_out.empty()) return_cached();
+    if (checked_out != 0) return_cached();
     if (borrow_devices) {
       for (AliasedTensor& a : tensors) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(a.device);
       borrow_devices = false;
     }
     tensors.clear();
     storages.clear();
-    if (indexed) {
+    uncached = 0;
+    if (device_tensors_indexed || device_storages_indexed || cpu_indexed) {
       index.clear();
-      indexed = false;
-      cpu_indexed = false;
+      device_tensors_indexed = device_storages_indexed = cpu_indexed = false;
     }
   }
 
@@ -330,6 +360,20 @@ bool borrows(const c10::StorageImpl* storage) {
 c10::DataPtr borrow(const c10::StorageImpl* device_storage) {
   return c10::DataPtr(const_cast<void*>(device_storage->data()), nullptr, &borrowed_memory,
                       c10::Device(c10::DeviceType::CPU));
+}
+
+// Sizes, strides and offset equal: a loop over the few dimensions of a tensor, inlined (the
+// comparisons of IntArrayRefs call memcmp, a visible share of a tensor-list operator's time).
+inline bool same_layout(const c10::TensorImpl& a, const c10::TensorImpl& b) {
+  const int64_t n = a.dim();
+  if (n != b.dim() || a.storage_offset() != b.storage_offset()) return false;
+  const int64_t* as = a.sizes().data();
+  const int64_t* bs = b.sizes().data();
+  const int64_t* ast = a.strides().data();
+  const int64_t* bst = b.strides().data();
+  for (int64_t i = 0; i < n; ++i)
+    if (as[i] != bs[i] || ast[i] != bst[i]) return false;
+  return true;
 }
 }  // namespace
 
@@ -363,29 +407,40 @@ HostKernel::~HostKernel() {
 // kept it: it then owns a reference to the device storage, like an alias made for one call, and
 // leaves the cache.
 void HostKernel::Session::return_cached() {
-  for (CheckedOut& c : checked_out) {
-    AliasCache::Entry* e = c.entry;
-    e->busy = false;
+  for (AliasedTensor& a : tensors) {
+    AliasCache::Entry* e = a.entry;
+    if (e == nullptr) continue;
+    e->owner = nullptr;
     c10::StorageImpl* storage = e->storage.unsafeGetStorageImpl();
     const bool on_storage = e->cpu.storage().unsafeGetStorageImpl() == storage;
     const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
     if (!kept && on_storage && borrows(storage)) continue;
     if (borrows(storage))
-      storage->set_data_ptr_noswap(data_ptr_owned_by(c.device, c10::Device(c10::DeviceType::CPU)));
-    aliases->entries.erase(c.key);
+      storage->set_data_ptr_noswap(
+          data_ptr_owned_by(a.device_storage, c10::Device(c10::DeviceType::CPU)));
+    aliases->entries.erase(a.device.unsafeGetTensorImpl());
   }
-  checked_out.clear();
+  checked_out = 0;
 }
 // [docs:end ALIAS_CACHE_RETURN]
 
 // [docs:start HOST_KERNEL_ALIAS]
 const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
-  int found = s_->find_tensor(timpl, Session::DeviceTensor);
-  if (found >= 0) return s_->tensors[found].cpu();
+  // This thread's cached alias: handed out to this call already (a tensor passed twice), free to
+  // be revalidated, or in use by an outer call on this thread (nested kernels).
+  AliasCache& cache = *s_->aliases;
+  auto it = cache.entries.find(timpl);
+  AliasCache::Entry* e = it == cache.entries.end() ? nullptr : it->second.get();
+  if (e != nullptr && e->owner == s_) return e->cpu;
+  if (s_->uncached != 0) {  // aliased in this call without the cache?
+    int found = s_->find_tensor(timpl, Session::DeviceTensor);
+    if (found >= 0) return s_->tensors[found].cpu();
+  }
   const c10::Storage& storage = t.storage();
   c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
-  int st = s_->find_storage(dev_storage, Session::DeviceStorage);
+  bool claimed;
+  int st = s_->claim_device_storage(dev_storage, claimed);
   if (st >= 0) {
     // Another argument of the call has this storage: an alias over the same CPU storage, so that
     // the kernel sees the overlap, made for this call only.
@@ -396,10 +451,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
     return s_->tensors.back().cpu();
   }
   // The first tensor of its storage in the call: this thread's cached alias, revalidated.
-  AliasCache& cache = *s_->aliases;
-  auto it = cache.entries.find(timpl);
-  AliasCache::Entry* e = nullptr;
-  if (it == cache.entries.end()) {
+  if (e == nullptr) {
     if (cache.entries.size() >= cache.sweep_at) cache.sweep();
     auto entry = std::make_unique<AliasCache::Entry>(t);
     entry->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
@@ -408,8 +460,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
     entry->cpu = make_tensor_like(entry->storage, c10::DispatchKey::CPU, t);
     e = entry.get();
     cache.entries.emplace(timpl, std::move(entry));
-  } else if (!it->second->busy) {
-    e = it->second.get();
+  } else if (e->owner == nullptr) {
     c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
     if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
       cs->set_data_ptr_noswap(borrow(dev_storage));
@@ -419,8 +470,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
     if (cimpl->dtype() != t.dtype()) {
       e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
     } else {
-      if (cimpl->sizes() != t.sizes() || cimpl->strides() != t.strides() ||
-          cimpl->storage_offset() != t.storage_offset())
+      if (!same_layout(*cimpl, *timpl))
         cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
       if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
       if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
@@ -428,15 +478,14 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   } else {
     // In use by an outer call on this thread (nested kernels): a fresh alias for this call.
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
-    s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage);  // held by the alias
+    s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage, claimed);  // held by the alias
     at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
     s_->add_tensor(std::move(cpu), t);
     return s_->tensors.back().cpu();
   }
-  e->busy = true;
-  s_->checked_out.push_back({timpl, e, dev_storage});
-  s_->add_storage(e->storage.unsafeGetStorageImpl(), dev_storage);
-  s_->add_cached_tensor(e->cpu, t);
+  e->owner = s_;
+  s_->add_storage(e->storage.unsafeGetStorageImpl(), dev_storage, claimed);
+  s_->add_cached_tensor(e, t, dev_storage);
   return e->cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]
@@ -449,8 +498,10 @@ void HostKernel::sync_written(const at::Tensor& t) {
 
 void HostKernel::sync_written(const at::Tensor& t, const at::Tensor& cpu) {
   auto* timpl = t.unsafeGetTensorImpl();
-  auto* cpu_storage = cpu.storage().unsafeGetStorageImpl();
-  auto* dev_storage = t.storage().unsafeGetStorageImpl();
+  const c10::TensorImpl* cimpl = cpu.unsafeGetTensorImpl();
+  // Both have storages: `cpu` was made over `t`'s, which alias() read through storage().
+  auto* cpu_storage = cimpl->unsafe_storage().unsafeGetStorageImpl();
+  auto* dev_storage = timpl->unsafe_storage().unsafeGetStorageImpl();
   if (cpu_storage->data() != dev_storage->data() || cpu_storage->nbytes() != dev_storage->nbytes()) {
     // The kernel resized the argument: its new memory was allocated on the device (redirected
     // CPU allocation); move it into the device storage, which all views of it share.
@@ -470,10 +521,8 @@ void HostKernel::sync_written(const at::Tensor& t, const at::Tensor& cpu) {
     cpu_storage->set_data_ptr_noswap(
         data_ptr_owned_by(dev_storage, c10::Device(c10::DeviceType::CPU)));
   }
-  if (cpu.sizes() != t.sizes() || cpu.strides() != t.strides() ||
-      cpu.storage_offset() != t.storage_offset()) {
+  if (!same_layout(*cimpl, *timpl))
     timpl->set_sizes_and_strides(cpu.sizes(), cpu.strides(), cpu.storage_offset());
-  }
   // Kernels may set the conjugate or negative bit of an out= argument (the bits are metadata of
   // the tensor, not of the memory): the device tensor gets them too.
   if (cpu.is_conj() != t.is_conj()) timpl->_set_conj(cpu.is_conj());

@@ -51,6 +51,8 @@ class HostKernel {
   // After the kernel: if it resized or restrided the alias of `device_tensor` (an argument
   // written in place or an out= argument), carry the change over to the device tensor.
   void sync_written(const at::Tensor& device_tensor);
+  // The same, given the alias alias() returned for it (no lookup).
+  void sync_written(const at::Tensor& device_tensor, const at::Tensor& cpu);
 
   // The device tensor for a tensor the kernel returned. Given with std::move (the caller keeps no
   // other reference), a fresh result in device memory becomes the device tensor in place.
@@ -66,7 +68,6 @@ class HostKernel {
 
  private:
   static Session* acquire_session();
-  void sync_written(const at::Tensor& device_tensor, const at::Tensor& cpu);
   c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
 
   const int device_;

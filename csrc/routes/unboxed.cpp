@@ -120,6 +120,7 @@ class BorrowedList {
     v_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(t));
   }
   operator at::TensorList() const { return v_; }
+  const at::Tensor* data() const { return v_.data(); }
 
  private:
   std::vector<at::Tensor> v_;
@@ -167,16 +168,18 @@ constexpr bool supported_arg() {
          !std::is_same_v<B, c10::List<std::optional<at::Tensor>>>;
 }
 
-// The call's written arguments carry the kernel's changes back (resized out= arguments).
-template <class T>
-void sync_arg(HostKernel& k, const T& a) {
+// The call's written arguments carry the kernel's changes back (resized out= arguments), each
+// with the alias the kernel got for it: no lookup in the session.
+template <class T, class C>
+void sync_arg(HostKernel& k, const T& a, C& cpu) {
   if constexpr (std::is_same_v<Bare<T>, at::Tensor>) {
-    if (a.defined() && a.device().type() == kOpenReg) k.sync_written(a);
+    if (a.defined() && a.device().type() == kOpenReg) k.sync_written(a, cpu.get());
   } else if constexpr (std::is_same_v<Bare<T>, at::TensorList>) {
-    for (const at::Tensor& t : a)
-      if (t.defined() && t.device().type() == kOpenReg) k.sync_written(t);
+    const at::Tensor* aliases = cpu.data();
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i].device().type() == kOpenReg) k.sync_written(a[i], aliases[i]);
   } else if constexpr (std::is_same_v<Bare<T>, std::optional<at::Tensor>>) {
-    if (a.has_value() && a->defined() && a->device().type() == kOpenReg) k.sync_written(*a);
+    if (a.has_value() && a->defined() && a->device().type() == kOpenReg) k.sync_written(*a, *cpu);
   }
 }
 
@@ -201,6 +204,24 @@ struct UnboxedRoute;
 template <class Op, class Ret, class... Args>
 struct UnboxedRoute<Op, Ret(Args...)> {
   static_assert((supported_arg<Args>() && ...), "an argument the unboxed route cannot take");
+
+  // [docs:start UNBOXED_KEEPS_METADATA]
+  // An in-place operator (ATen's `inplace` tag) that is not tagged `inplace_view` (resize_, set_,
+  // squeeze_, as_strided_, ...) writes its arguments' elements, never their sizes, strides,
+  // storage or math bits: its written arguments need no write-back, which compares four objects
+  // per tensor (an alias and a device tensor, each with its storage). `_resize_output_` is tagged
+  // `inplace` alone and resizes, so names with "resize" keep the write-back, as do out= and
+  // metadata operators.
+  static bool keeps_metadata() {
+    static const bool keeps = [] {
+      const c10::OperatorHandle& h = op();
+      const std::string& name = h.schema().name();
+      return h.hasTag(at::Tag::inplace) && !h.hasTag(at::Tag::inplace_view) &&
+             name.find("resize") == std::string::npos;
+    }();
+    return keeps;
+  }
+  // [docs:end UNBOXED_KEEPS_METADATA]
 
   static const c10::OperatorHandle& op() {
     static const c10::OperatorHandle handle =
@@ -237,7 +258,10 @@ struct UnboxedRoute<Op, Ret(Args...)> {
     HostKernel k(device);
     k.caller_holds_arguments();  // the caller's references outlive the call
     std::tuple<typename ToCpu<Args>::type...> cpu{ToCpu<Args>::convert(k, args)...};
-    auto sync = [&] { ((s.writes[I] ? sync_arg(k, args) : void()), ...); };
+    const bool write_back = !keeps_metadata();
+    auto sync = [&] {
+      if (write_back) ((s.writes[I] ? sync_arg(k, args, std::get<I>(cpu)) : void()), ...);
+    };
     auto invoke = [&]() -> decltype(auto) {
       return Op::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), std::get<I>(cpu)...);
     };
