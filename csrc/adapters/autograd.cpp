@@ -93,7 +93,7 @@ namespace {
 
 bool follow_from_env() {
   const char* env = std::getenv("OPENREG_AUTOGRAD_FOLLOW_CALLER");
-  return env == nullptr || std::strcmp(env, "0") != 0;
+  return env != nullptr && std::strcmp(env, "1") == 0;
 }
 
 std::atomic<bool> g_follow{follow_from_env()};
@@ -193,6 +193,7 @@ std::atomic<pid_t> g_caller_tid{0};      // the host thread of the last host ker
 std::atomic<pid_t> g_pinned_caller{0};
 cpu_set_t g_pinned_caller_saved;         // its affinity before
 int g_pinned_caller_cpu = -1;            // the core it was pinned to
+int64_t g_pin_generation = 0;            // counts the pins
 std::atomic<int64_t> g_stat_pins{0};
 
 pid_t current_tid() {
@@ -213,45 +214,54 @@ void release_pinned_caller_locked() {
   if (CPU_EQUAL(&now, &one)) sched_setaffinity(tid, sizeof(cpu_set_t), &g_pinned_caller_saved);
 }
 
-void release_pinned_caller(pid_t tid) {
+// Gives the pin `generation` back if it is still the one held.
+void release_pinned_caller(pid_t tid, int64_t generation = -1) {
   std::lock_guard lock(g_moved_mutex);
-  if (g_pinned_caller.load() == tid) release_pinned_caller_locked();
+  if (g_pinned_caller.load() == tid && (generation < 0 || generation == g_pin_generation))
+    release_pinned_caller_locked();
 }
 
 // Lives as long as the backward's GraphTask (held by a final callback of it). The engine drops
 // the GraphTask after it has woken the caller: on the caller's thread before backward() returns,
-// or on the device thread just after. The caller's next kernel gives its affinity back too,
-// whichever comes first.
+// or on the device thread once that runs again. The caller's next kernel gives its affinity back
+// too, whichever comes first.
 struct CallerPin {
-  pid_t tid;
-  ~CallerPin() { release_pinned_caller(tid); }
+  CallerPin(pid_t tid, int64_t generation) : tid(tid), generation(generation) {}
+  CallerPin(const CallerPin&) = delete;
+  CallerPin& operator=(const CallerPin&) = delete;
+  ~CallerPin() { release_pinned_caller(tid, generation); }
+  const pid_t tid;
+  const int64_t generation;
 };
 
 // On a device thread running on `cpu`, once per backward: keeps the host thread `tid` (the one
 // that ran the last host kernel, waiting for this backward) on `cpu` until the backward ends.
 void pin_caller(pid_t tid, int cpu) {
-  cpu_set_t saved;
-  if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(tid, sizeof(cpu_set_t), &saved) != 0 ||
-      !CPU_ISSET(cpu, &saved) || CPU_COUNT(&saved) == 1)
-    return;  // not allowed there, already on one core, or gone
-  std::function<void()> callback;
+  int64_t generation;
+  {
+    std::lock_guard lock(g_moved_mutex);
+    if (!g_follow.load() || g_pinned_caller.load() != 0) return;
+    cpu_set_t saved;
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(tid, sizeof(cpu_set_t), &saved) != 0 ||
+        !CPU_ISSET(cpu, &saved) || CPU_COUNT(&saved) == 1)
+      return;  // not allowed there, already on one core, or gone
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    if (sched_setaffinity(tid, sizeof(cpu_set_t), &one) != 0) return;
+    g_pinned_caller_saved = saved;
+    g_pinned_caller_cpu = cpu;
+    generation = ++g_pin_generation;
+    g_pinned_caller.store(tid);
+  }
   try {
-    auto pin = std::make_shared<CallerPin>(CallerPin{tid});
-    callback = [pin] {};
-    // Throws outside a backward (no current graph task): then nothing is pinned.
-    torch::autograd::Engine::get_default_engine().queue_callback(callback);
+    auto pin = std::make_shared<CallerPin>(tid, generation);
+    // Throws outside a backward (no current graph task).
+    torch::autograd::Engine::get_default_engine().queue_callback([pin] {});
   } catch (...) {
+    release_pinned_caller(tid, generation);
     return;
   }
-  std::lock_guard lock(g_moved_mutex);
-  if (!g_follow.load() || g_pinned_caller.load() != 0) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpu, &one);
-  if (sched_setaffinity(tid, sizeof(cpu_set_t), &one) != 0) return;
-  g_pinned_caller_saved = saved;
-  g_pinned_caller_cpu = cpu;
-  g_pinned_caller.store(tid);
   g_stat_pins.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -301,7 +311,9 @@ void pin_caller(pid_t tid, int cpu) {
 // for the duration of the backward (pin_caller, PIN_CALLER above): measured on the idle machine,
 // OMP_NUM_THREADS=1, a backward of one small kernel took 26 us instead of 106 us (CPU 16 us),
 // the MLP step 1.16-1.20x the CPU instead of 1.37-1.39x (docs/autograd.md).
-// On by default; OPENREG_AUTOGRAD_FOLLOW_CALLER=0 leaves the placement to the scheduler.
+// Off unless OPENREG_AUTOGRAD_FOLLOW_CALLER=1: the caller's affinity is not always given back by
+// the time backward() returns (docs/autograd.md lists when), and on a loaded machine, where no
+// core is idle, sharing one core cost 2-4%.
 DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
   if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
@@ -378,7 +390,7 @@ void set_follow_caller(bool enabled) {
 
 DeviceThreadStats device_thread_stats() {
   return {g_stat_kernels.load(), g_stat_busy.load(), g_stat_first.load(), g_stat_last.load(),
-          g_stat_moves.load()};
+          g_stat_moves.load(), g_stat_pins.load()};
 }
 
 void reset_device_thread_stats(bool enabled) {

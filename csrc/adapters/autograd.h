@@ -38,8 +38,8 @@ class DeviceThreadPlacement {
 };
 // [docs:end FOLLOW_CALLER_API]
 
-// Whether device threads follow the host thread's core (OPENREG_AUTOGRAD_FOLLOW_CALLER, default
-// on; switched off for the process once a host thread runs a kernel while a device thread does).
+// Whether device threads follow the host thread's core (OPENREG_AUTOGRAD_FOLLOW_CALLER=1, default
+// off; switched off for the process once a host thread runs a kernel while a device thread does).
 bool follow_caller_enabled();
 void set_follow_caller(bool enabled);
 
@@ -52,6 +52,7 @@ struct DeviceThreadStats {
   int64_t first_start_ns = 0;
   int64_t last_end_ns = 0;
   int64_t moves = 0;
+  int64_t pins = 0;  // backward calls whose waiting host thread was kept on the device thread's core
 };
 DeviceThreadStats device_thread_stats();
 // Resets the counters and switches them on (off: reset_device_thread_stats(false)).

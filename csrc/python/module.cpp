@@ -180,6 +180,7 @@ PYBIND11_MODULE(_C, m) {
     d["first_start_ns"] = s.first_start_ns;
     d["last_end_ns"] = s.last_end_ns;
     d["moves"] = s.moves;
+    d["pins"] = s.pins;
     return d;
   });
   m.def("_reset_device_thread_stats", &openreg::reset_device_thread_stats,
