@@ -457,6 +457,29 @@ def test_cached_aliases_keep_no_device_memory_alive(device):
     assert torch.openreg.memory_allocated(device) == start
 
 
+def test_a_dead_tensors_cached_alias_serves_the_next_tensor(device):
+    """A tensor seen for the first time takes over the cache entry of one that died: each tensor
+    of a chain is passed once, with another dtype, shape, strides, offset or math bit than the
+    one before, and every result must be the CPU's."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 3, 2), (4, 3), (1,), (6, 2)]
+    dtypes = [torch.float32, torch.float64, torch.int64, torch.complex64]
+    cpu_y = torch.randn(3, 4, generator=g)
+    y = cpu_y.to(device)
+    for i in range(24):
+        dtype, shape = dtypes[i % len(dtypes)], shapes[i % len(shapes)]
+        src = torch.randn(*shape, 3, generator=g).to(dtype)
+        cpu_x = src[..., 1]  # strided, with an offset
+        x = src.to(device)[..., 1]
+        if dtype.is_complex and i % 3 == 0:
+            cpu_x, x = cpu_x.conj(), x.conj()
+        cpu_y = cpu_x * 2 + 1
+        y = x * 2 + 1  # each x and each intermediate result is passed once, then dies
+        assert y.device == torch.device(device)
+        torch.testing.assert_close(y.cpu(), cpu_y)
+        del x
+
+
 def test_an_alias_a_kernel_keeps_owns_its_memory(device):
     """A CPU kernel that keeps its argument beyond the call: the alias it kept must hold the
     device memory, not borrow memory the allocator hands out again."""

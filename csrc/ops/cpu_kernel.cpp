@@ -9,6 +9,7 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
+#include <iterator>
 #include <typeinfo>
 #include <cstdlib>
 #include <cstring>
@@ -84,10 +85,15 @@ at::Tensor cpu_alias(const at::Tensor& t) {
 //    thread an entry in use (nested kernels) is not handed out twice: the inner call builds a
 //    fresh alias.
 //  * Size: entries of device tensors that died are swept once the cache doubles in size.
+//  * Reuse: a tensor seen for the first time takes over the entry of a tensor that died, if one
+//    of the last few entries made or taken over is such (a chain `y = y + x` passes each result
+//    once, and the previous one has died by then): its alias is revalidated for the new tensor
+//    instead of a TensorImpl, a StorageImpl and an entry being made, and the cache stays small.
 struct HostKernel::AliasCache {
   struct Entry {
-    explicit Entry(const at::Tensor& t) : device(t.getIntrusivePtr()) {}
+    explicit Entry(const at::Tensor& t) : device(t.getIntrusivePtr()), key(t.unsafeGetTensorImpl()) {}
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> device;
+    const c10::TensorImpl* key;  // the device tensor's, while `device` keeps the address taken
     at::Tensor cpu;
     c10::Storage storage;  // the storage made for `cpu`, borrowing the device memory
     // The session the alias is handed out to (nullptr: free). A call finds a tensor it passes
@@ -96,8 +102,33 @@ struct HostKernel::AliasCache {
   };
   ska::flat_hash_map<const c10::TensorImpl*, std::unique_ptr<Entry>> entries;
   size_t sweep_at = 1024;
+  // The entries made or taken over last (valid until an entry is erased: then cleared).
+  static constexpr size_t kRecent = 4;
+  Entry* recent[kRecent] = {};
+  size_t next_recent = 0;
+
+  void remember(Entry* e) { recent[next_recent++ % kRecent] = e; }
+  void forget_recent() { std::fill(std::begin(recent), std::end(recent), nullptr); }
+
+  // A recent entry whose device tensor died, now `t`'s; nullptr if there is none.
+  Entry* take_over(const at::Tensor& t) {
+    for (Entry* e : recent) {
+      if (e == nullptr || e->owner != nullptr || !e->device.expired()) continue;
+      auto it = entries.find(e->key);
+      std::unique_ptr<Entry> held = std::move(it->second);
+      entries.erase(it);
+      // The old key is erased before the weak reference that kept its address goes.
+      e->device = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+          t.getIntrusivePtr());
+      e->key = t.unsafeGetTensorImpl();
+      entries.emplace(e->key, std::move(held));
+      return e;
+    }
+    return nullptr;
+  }
 
   void sweep() {
+    forget_recent();
     for (auto it = entries.begin(); it != entries.end();) {
       if (it->second->owner == nullptr && it->second->device.expired()) it = entries.erase(it);
       else ++it;
@@ -419,6 +450,7 @@ void HostKernel::Session::return_cached() {
       storage->set_data_ptr_noswap(
           data_ptr_owned_by(a.device_storage, c10::Device(c10::DeviceType::CPU)));
     aliases->entries.erase(a.device.unsafeGetTensorImpl());
+    aliases->forget_recent();
   }
   checked_out = 0;
 }
@@ -451,6 +483,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
     return s_->tensors.back().cpu();
   }
   // The first tensor of its storage in the call: this thread's cached alias, revalidated.
+  if (e == nullptr) e = cache.take_over(t);
   if (e == nullptr) {
     if (cache.entries.size() >= cache.sweep_at) cache.sweep();
     auto entry = std::make_unique<AliasCache::Entry>(t);
@@ -460,6 +493,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
     entry->cpu = make_tensor_like(entry->storage, c10::DispatchKey::CPU, t);
     e = entry.get();
     cache.entries.emplace(timpl, std::move(entry));
+    cache.remember(e);
   } else if (e->owner == nullptr) {
     c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
     if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
