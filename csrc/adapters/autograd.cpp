@@ -104,14 +104,7 @@ std::atomic<int> g_moved_workers{0};      // device threads placed on a caller's
 // What the device threads get back when they stop following: the affinity of the thread that
 // loaded openreg (a device thread started later inherits whatever its starter had at that
 // moment, a caller's temporary pin included).
-const cpu_set_t g_process_affinity = [] {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(cpu_set_t), &set) != 0) {
-    CPU_ZERO(&set);
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) CPU_SET(cpu, &set);
-  }
-  return set;
-}();
+const cpu_set_t& g_process_affinity = process_affinity();
 
 // The thread ids of the device threads placed on a caller's core.
 std::mutex g_moved_mutex;

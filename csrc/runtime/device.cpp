@@ -13,6 +13,19 @@
 #include <mutex>
 
 namespace openreg {
+
+namespace {
+const cpu_set_t g_process_affinity = [] {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(cpu_set_t), &set) != 0) {
+    CPU_ZERO(&set);
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) CPU_SET(cpu, &set);
+  }
+  return set;
+}();
+}  // namespace
+
+const cpu_set_t& process_affinity() { return g_process_affinity; }
 namespace detail {
 bool g_bad_fork = false;
 }

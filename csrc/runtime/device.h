@@ -2,6 +2,8 @@
 // PyTorch adapters in csrc/adapters call it from C++ on every operator.
 #pragma once
 
+#include <sched.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -47,5 +49,10 @@ extern bool g_bad_fork;
 inline void check_not_forked() {
   if (__builtin_expect(detail::g_bad_fork, false)) detail::raise_bad_fork();
 }
+
+// The CPU affinity of the thread that loaded openreg, taken at load. Threads the runtime moves
+// or starts get it back (a thread starts with its starter's affinity, and an autograd device
+// thread may be kept on one core while it follows its caller, adapters/autograd.cpp).
+const cpu_set_t& process_affinity();
 
 }  // namespace openreg

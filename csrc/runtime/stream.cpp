@@ -29,15 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The affinity of the thread that loaded openreg, which the stream workers get.
-const cpu_set_t g_process_affinity = [] {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(cpu_set_t), &set) != 0) {
-    CPU_ZERO(&set);
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) CPU_SET(cpu, &set);
-  }
-  return set;
-}();
 
 // The streams the calling thread holds right now: kernels it runs inline, or the task its worker
 // runs. Used to make nested launches free and to refuse waits that could never end.
@@ -192,7 +183,7 @@ class Stream {
     // from an autograd device thread ("pt_autograd_<n>", possibly kept on one core while it
     // follows its caller, docs/autograd.md). The worker is a thread of its own.
     pthread_setname_np(pthread_self(), "openreg_stream");
-    sched_setaffinity(0, sizeof(cpu_set_t), &g_process_affinity);
+    sched_setaffinity(0, sizeof(cpu_set_t), &process_affinity());
     for (;;) {
       std::function<void()> task, after;
       {
