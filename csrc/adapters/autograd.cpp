@@ -101,10 +101,13 @@ std::atomic<int> g_caller_cpu{-1};        // the core of the last host-thread ke
 std::atomic<int> g_workers_in_kernel{0};  // device threads inside a kernel now
 std::atomic<int> g_moved_workers{0};      // device threads placed on a caller's core
 
-// What the device threads get back when they stop following: the affinity of the thread that
-// loaded openreg (a device thread started later inherits whatever its starter had at that
-// moment, a caller's temporary pin included).
-const cpu_set_t& g_process_affinity = process_affinity();
+// The set of the one core `cpu` (below CPU_SETSIZE).
+cpu_set_t only_core(int cpu) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  return one;
+}
 
 // The thread ids of the device threads placed on a caller's core.
 std::mutex g_moved_mutex;
@@ -134,7 +137,9 @@ thread_local int t_epoch = 0;
 
 void restore_moved_workers_locked() {
   g_placement_epoch.fetch_add(1);
-  for (pid_t tid : moved_workers()) sched_setaffinity(tid, sizeof(cpu_set_t), &g_process_affinity);
+  // What they get back: the affinity of the thread that loaded openreg (a device thread started
+  // later inherits whatever its starter had at that moment, a caller's temporary pin included).
+  for (pid_t tid : moved_workers()) sched_setaffinity(tid, sizeof(cpu_set_t), &process_affinity());
   moved_workers().clear();
   g_moved_workers.store(0);
 }
@@ -160,9 +165,7 @@ void move_to(int cpu) {
     g_moved_workers.fetch_add(1);
   }
   if (cpu < CPU_SETSIZE) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
+    const cpu_set_t one = only_core(cpu);
     if (sched_setaffinity(0, sizeof(cpu_set_t), &one) == 0) {
       g_stat_moves.fetch_add(1, std::memory_order_relaxed);
       t_cpu = cpu;
@@ -201,9 +204,7 @@ void release_pinned_caller_locked() {
   if (tid == 0) return;
   cpu_set_t now;
   if (sched_getaffinity(tid, sizeof(cpu_set_t), &now) != 0) return;  // thread gone
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(g_pinned_caller_cpu, &one);
+  const cpu_set_t one = only_core(g_pinned_caller_cpu);
   if (CPU_EQUAL(&now, &one)) sched_setaffinity(tid, sizeof(cpu_set_t), &g_pinned_caller_saved);
 }
 
@@ -238,9 +239,7 @@ void pin_caller(pid_t tid, int cpu) {
     if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(tid, sizeof(cpu_set_t), &saved) != 0 ||
         !CPU_ISSET(cpu, &saved) || CPU_COUNT(&saved) == 1)
       return;  // not allowed there, already on one core, or gone
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
+    const cpu_set_t one = only_core(cpu);
     if (sched_setaffinity(tid, sizeof(cpu_set_t), &one) != 0) return;
     g_pinned_caller_saved = saved;
     g_pinned_caller_cpu = cpu;
