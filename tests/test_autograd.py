@@ -325,6 +325,27 @@ def test_the_caller_waits_on_the_device_threads_core_until_backward_ends(followi
     _C._reset_device_thread_stats(False)
 
 
+def test_backward_returns_with_the_callers_affinity_back(following):
+    # The gradient backward() makes for its root dies on this thread as backward() returns, and a
+    # host thread freeing device memory gets its affinity back (release_pin_if_caller): code that
+    # runs no kernel after backward(), such as starting a thread or a process (both inherit the
+    # affinity), sees the process's, not the one core it waited on.
+    from torch_openreg import _C
+
+    device = torch.device("openreg:0")
+    model = torch.nn.Linear(8, 8).to(device)
+    x = torch.randn(4, 8, device=device)
+    _C._reset_device_thread_stats()
+    returned_pinned = 0
+    for _ in range(200):
+        model(x).sum().backward()
+        returned_pinned += os.sched_getaffinity(0) != set(following)
+    pins = _C._device_thread_stats()["pins"]
+    _C._reset_device_thread_stats(False)
+    assert pins == 200  # the caller was kept on the device thread's core in every backward...
+    assert returned_pinned == 0  # ... and had its affinity back when backward() returned
+
+
 def test_a_backward_that_raises_gives_the_caller_its_affinity_back(following):
     device = torch.device("openreg:0")
     caller = threading.get_native_id()

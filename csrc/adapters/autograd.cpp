@@ -180,9 +180,13 @@ void move_to(int cpu) {
 // ends: the scheduler then wakes it there, where the device thread is about to go to sleep,
 // instead of on another core that may be idle (waking an idle core is the slow part of a handoff
 // on a virtual machine). g_pinned_caller is its thread id (0: none); the rest is under
-// g_moved_mutex. Its own affinity comes back when the engine drops the backward's GraphTask
-// (CallerPin, held by one of the GraphTask's final callbacks), at its next kernel, or before it
-// forks, whichever comes first; an affinity the user set in between is kept.
+// g_moved_mutex. Its own affinity comes back at the first of: the engine dropping the backward's
+// GraphTask (CallerPin, held by one of the GraphTask's final callbacks), its next kernel, its next
+// free of device memory (release_pin_if_caller: the gradient backward() makes for its root dies
+// on the caller as backward() returns), or a fork; an affinity the user set in between is kept.
+// The engine drops the GraphTask on the device thread right after waking the caller, but the
+// caller, just woken, often runs first (a third of the backward calls of a small model returned
+// still pinned before the free released it).
 thread_local pid_t t_tid = 0;            // this thread's id, once known
 thread_local int t_pin_task = -1;        // device thread: the graph task it last pinned for
 std::atomic<pid_t> g_caller_tid{0};      // the host thread of the last host kernel
@@ -217,8 +221,7 @@ void release_pinned_caller(pid_t tid, int64_t generation = -1) {
 
 // Lives as long as the backward's GraphTask (held by a final callback of it). The engine drops
 // the GraphTask after it has woken the caller: on the caller's thread before backward() returns,
-// or on the device thread once that runs again. The caller's next kernel gives its affinity back
-// too, whichever comes first.
+// or on the device thread once that runs again.
 struct CallerPin {
   CallerPin(pid_t tid, int64_t generation) : tid(tid), generation(generation) {}
   CallerPin(const CallerPin&) = delete;
@@ -279,6 +282,12 @@ void pin_caller(pid_t tid, int cpu) {
     });
 
 }  // namespace
+
+void release_pin_if_caller() noexcept {
+  if (g_pinned_caller.load(std::memory_order_relaxed) == 0) return;
+  const pid_t tid = current_tid();
+  if (g_pinned_caller.load(std::memory_order_relaxed) == tid) release_pinned_caller(tid);
+}
 
 // [docs:start FOLLOW_CALLER]
 // The device thread follows the caller's core. The thread that calls backward() waits while the

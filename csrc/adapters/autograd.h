@@ -38,6 +38,11 @@ class DeviceThreadPlacement {
 };
 // [docs:end FOLLOW_CALLER_API]
 
+// On a host thread kept on the device thread's core for a backward (PIN_CALLER in autograd.cpp):
+// gives it its affinity back. Called where a host thread frees device memory, the first thing
+// it does for the device after backward() returns when the root's gradient dies with the call.
+void release_pin_if_caller() noexcept;
+
 // Whether device threads follow the host thread's core (OPENREG_AUTOGRAD_FOLLOW_CALLER=1, default
 // off; switched off for the process once a host thread runs a kernel while a device thread does).
 bool follow_caller_enabled();

@@ -6,6 +6,7 @@
 // stream for reuse. A block used on another stream (record_stream) is only reused after the work
 // queued on that stream at free time has run. Exceeding the device capacity, after releasing the
 // cache, raises torch.OutOfMemoryError.
+#include "adapters/autograd.h"
 #include "adapters/device_allocator.h"
 #include "adapters/gpu_trace.h"
 
@@ -502,6 +503,7 @@ DeviceCache& cache(int device) {
 }
 
 void delete_device_memory(void* ptr) {
+  release_pin_if_caller();
   gpu_trace::memory_deallocation(ptr);  // outside the cache's mutex: the hook may take the GIL
   for (auto& c : caches())
     if (c->free(ptr)) return;
