@@ -119,9 +119,10 @@ def _worker_thread_id(device):
     return seen["tid"]
 
 
-# This thread's affinity before any backward of this module: with OPENREG_AUTOGRAD_FOLLOW_CALLER=1
-# a backward keeps its caller on one core until it ends, and the caller may still be on it just
-# after backward() returned (docs/autograd.md), so a mask read then is not the one to restore.
+# This thread's affinity before any backward of this module: a backward keeps its caller on one
+# core until it ends (unless OPENREG_AUTOGRAD_FOLLOW_CALLER=0), and the caller may still be on it
+# after backward() returned when it freed nothing (docs/autograd.md), so a mask read then is not
+# the one to restore.
 _PROCESS_AFFINITY = os.sched_getaffinity(0)
 
 
@@ -248,10 +249,15 @@ def following():
     assert len(mask) >= 2, "this test needs 2 cores"
     before = _C._autograd_follow_caller()
     _C._set_autograd_follow_caller(True)
-    with torch.openreg.set_async(False):
-        yield sorted(mask)
-    _C._set_autograd_follow_caller(before)
-    os.sched_setaffinity(0, mask)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the device threads follow a caller running one OpenMP thread
+    try:
+        with torch.openreg.set_async(False):
+            yield sorted(mask)
+    finally:
+        torch.set_num_threads(threads)
+        _C._set_autograd_follow_caller(before)
+        os.sched_setaffinity(0, mask)
 
 
 def test_the_device_thread_runs_on_the_core_of_the_thread_that_waits_for_it(following):
@@ -262,6 +268,29 @@ def test_the_device_thread_runs_on_the_core_of_the_thread_that_waits_for_it(foll
     for core in following[:2]:
         os.sched_setaffinity(0, {core})
         assert _device_thread_affinity(device) == {core}
+
+
+def test_a_caller_running_several_openmp_threads_is_not_followed(following):
+    # With more than one OpenMP thread, the team's workers spin on the other cores between
+    # parallel regions: no core is idle, and sharing one with the device thread only slowed
+    # backward (docs/autograd.md). A device thread moved before gets the process's affinity back,
+    # and the caller is not kept on a core.
+    from torch_openreg import _C
+
+    device = torch.device("openreg:0")
+    os.sched_setaffinity(0, {following[0]})
+    assert _device_thread_affinity(device) == {following[0]}
+    os.sched_setaffinity(0, set(following))
+    torch.set_num_threads(2)
+    _C._reset_device_thread_stats()
+    seen = _affinities_during_backward(device)
+    pins = _C._device_thread_stats()["pins"]
+    _C._reset_device_thread_stats(False)
+    assert seen["device"] == set(following) and seen["caller"] == set(following)
+    assert pins == 0
+    torch.set_num_threads(1)
+    seen = _affinities_during_backward(device)  # one thread again: followed again
+    assert len(seen["device"]) == 1 and seen["caller"] == seen["device"]
 
 
 def test_not_following_gives_the_device_thread_its_own_affinity_back(following):
@@ -451,15 +480,15 @@ _FOLLOW_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_following_is_off_unless_the_environment_asks_for_it():
+def test_following_is_on_unless_the_environment_turns_it_off():
     script = _FOLLOW_SCRIPT + textwrap.dedent("""
-        assert _C._autograd_follow_caller() == (os.environ.get("OPENREG_AUTOGRAD_FOLLOW_CALLER") == "1")
+        assert _C._autograd_follow_caller() == (os.environ.get("OPENREG_AUTOGRAD_FOLLOW_CALLER") != "0")
         want = {min(full)} if _C._autograd_follow_caller() else full
         assert affinity() == want, (affinity(), want)
         print("ok")
     """)
     for value in (None, "0", "1"):
-        env = dict(os.environ, OPENREG_ASYNC="0")
+        env = dict(os.environ, OPENREG_ASYNC="0", OMP_NUM_THREADS="1")
         env.pop("OPENREG_AUTOGRAD_FOLLOW_CALLER", None)
         if value is not None:
             env["OPENREG_AUTOGRAD_FOLLOW_CALLER"] = value
@@ -469,7 +498,7 @@ def test_following_is_off_unless_the_environment_asks_for_it():
 
 
 def _run_following(script):
-    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1", OPENREG_ASYNC="0")
+    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1", OPENREG_ASYNC="0", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120, env=env)
 
@@ -512,7 +541,7 @@ def test_a_stream_worker_started_by_a_device_thread_is_a_thread_of_its_own():
         assert len(names.get("pt_autograd_0", [])) == 1, names
         print("ok")
     """)
-    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1", OPENREG_ASYNC="1")
+    env = dict(os.environ, OPENREG_AUTOGRAD_FOLLOW_CALLER="1", OPENREG_ASYNC="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

@@ -25,6 +25,7 @@
 #include "runtime/device.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -91,9 +92,10 @@ void probe_worker_threads(uint64_t devices) noexcept {
 // Where the device threads run: see FOLLOW_CALLER below.
 namespace {
 
+// On unless OPENREG_AUTOGRAD_FOLLOW_CALLER=0.
 bool follow_from_env() {
   const char* env = std::getenv("OPENREG_AUTOGRAD_FOLLOW_CALLER");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  return env == nullptr || std::strcmp(env, "0") != 0;
 }
 
 std::atomic<bool> g_follow{follow_from_env()};
@@ -173,6 +175,21 @@ void move_to(int cpu) {
     }
   }
   t_cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
+}
+
+// On a device thread moved to a caller's core, when there is no core to follow any more (the
+// caller runs more than one OpenMP thread): gives it the process's affinity back.
+void unmove_self() {
+  std::lock_guard lock(g_moved_mutex);
+  const pid_t tid = static_cast<pid_t>(syscall(SYS_gettid));
+  auto& moved = moved_workers();
+  const auto it = std::find(moved.begin(), moved.end(), tid);
+  if (it != moved.end()) {
+    moved.erase(it);
+    g_moved_workers.fetch_sub(1);
+    sched_setaffinity(0, sizeof(cpu_set_t), &process_affinity());
+  }
+  t_cpu = -1;
 }
 
 // [docs:start PIN_CALLER]
@@ -312,9 +329,9 @@ void release_pin_if_caller() noexcept {
 // for the duration of the backward (pin_caller, PIN_CALLER above): measured on the idle machine,
 // OMP_NUM_THREADS=1, a backward of one small kernel took 26 us instead of 106 us (CPU 16 us),
 // the MLP step 1.16-1.20x the CPU instead of 1.37-1.39x (docs/autograd.md).
-// Off unless OPENREG_AUTOGRAD_FOLLOW_CALLER=1: the caller's affinity is not always given back by
-// the time backward() returns (docs/autograd.md lists when), and on a loaded machine, where no
-// core is idle, sharing one core cost 2-4%.
+// On by default; OPENREG_AUTOGRAD_FOLLOW_CALLER=0 leaves the placement to the scheduler. On a
+// loaded machine, where no core is idle, there is nothing to gain, and sharing one core cost up to
+// 2-4% in some runs (docs/autograd.md).
 DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
   if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
@@ -324,7 +341,11 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     if (g_pinned_caller.load(std::memory_order_relaxed) == tid) release_pinned_caller(tid);
     if (g_caller_tid.load(std::memory_order_relaxed) != tid)
       g_caller_tid.store(tid, std::memory_order_relaxed);
-    const int cpu = sched_getcpu();
+    // With more than one OpenMP thread there is nothing to follow: the team's workers wait for
+    // the next parallel region spinning on the other cores, so no core is idle, and sharing one
+    // core with the device thread made backward slower (MLP step 1.19-1.25x the CPU without,
+    // 1.26-1.32x with; CNN 1.03-1.15x against 1.08-1.25x, default threads on 2 cores).
+    const int cpu = at::get_num_threads() == 1 ? sched_getcpu() : -1;
     if (cpu != t_cpu) {
       t_cpu = cpu;
       g_caller_cpu.store(cpu, std::memory_order_relaxed);
@@ -345,6 +366,8 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     const int target = g_caller_cpu.load(std::memory_order_relaxed);
     if (target >= 0 && t_cpu != -2 - target && (target != t_cpu || target != sched_getcpu()))
       move_to(target);
+    else if (target < 0 && t_cpu >= 0)
+      unmove_self();
     if (target >= 0 && t_cpu == target) {
       const int task = torch::autograd::get_current_graph_task_id();
       if (task != t_pin_task) {

@@ -43,8 +43,8 @@ class DeviceThreadPlacement {
 // it does for the device after backward() returns when the root's gradient dies with the call.
 void release_pin_if_caller() noexcept;
 
-// Whether device threads follow the host thread's core (OPENREG_AUTOGRAD_FOLLOW_CALLER=1, default
-// off; switched off for the process once a host thread runs a kernel while a device thread does).
+// Whether device threads follow the host thread's core (on unless OPENREG_AUTOGRAD_FOLLOW_CALLER=0;
+// switched off for the process once a host thread runs a kernel while a device thread does).
 bool follow_caller_enabled();
 void set_follow_caller(bool enabled);
 
