@@ -355,3 +355,41 @@ def test_activation_backward_kernels_match_the_cpu():
     torch.testing.assert_close(x_dev.grad.cpu(), x_cpu.grad)
     assert torch.autograd.gradcheck(lambda t: torch.softmax(torch.tanh(t) @ t.t(), -1),
                                     (x_dev[:3, :3].detach().requires_grad_(),))
+
+
+# The element-wise kernels of the for-loop forms of Adam and AdamW (lerp_, addcmul_, sqrt,
+# addcdiv_ per parameter and step), and the comparisons and reductions of gradcheck and clipping.
+# Each case is one call: the route must take it (one more direct call, no boxed one).
+SINGLE_CALLS = {
+    "lerp_": lambda a, b: a.lerp_(b, 0.1),
+    "addcmul_": lambda a, b: a.addcmul_(b, b, value=0.001),
+    "addcdiv_": lambda a, b: a.addcdiv_(a, b, value=-0.5),
+    "sqrt": lambda a, b: a.sqrt(),
+    "rsqrt": lambda a, b: torch.rsqrt(b),
+    "div__Scalar": lambda a, b: torch.ops.aten.div_.Scalar(a, 3.0),
+    "div_Scalar": lambda a, b: torch.ops.aten.div.Scalar(a, 3.0),
+    "eq": lambda a, b: a.eq(0.5),
+    "gt": lambda a, b: a > 0.25,
+    "sum": lambda a, b: a.sum(),
+    "sum_dtype": lambda a, b: a.sum(dtype=torch.float64),
+    "vector_norm": lambda a, b: torch.linalg.vector_norm(a, 2.0, (0,), True),
+    "clamp_min": lambda a, b: a.clamp_min(0.5),
+    "noncontiguous": lambda a, b: a.t().lerp_(b, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SINGLE_CALLS))
+def test_optimizer_and_reduction_kernels_take_the_route(name):
+    fn = SINGLE_CALLS[name]
+    a, b = _t(3, 3), _t(3, 3, seed=1) + 0.5
+    direct, boxed = counts()
+    dev_a, dev_b = a.to(DEV), b.to(DEV)
+    r = fn(dev_a, dev_b)
+    assert counts() == (direct + 1, boxed), "one routed call, nothing boxed"
+    (cpu, cpu_in), _, (fb, fb_in) = run_everywhere(fn, a, b)
+    assert r.device.type == "openreg"
+    assert_same(cpu, r)
+    assert_same(cpu, fb)
+    assert_same(cpu_in, [dev_a, dev_b])  # in-place results landed in device memory
+    if name in ("lerp_", "addcmul_", "addcdiv_", "div__Scalar"):
+        assert r is dev_a  # an in-place kernel returns the device tensor itself
