@@ -594,8 +594,8 @@ void HostKernel::Session::return_cached() {
 namespace {
 // A cached alias made to match its device tensor again: storage memory and size, dtype, sizes,
 // strides, offset, conjugate and negative bits, each updated in place if it changed.
-inline void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor& device,
-                       const c10::StorageImpl* dev_storage) {
+C10_NOINLINE void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor& device,
+                             const c10::StorageImpl* dev_storage) {
   const c10::TensorImpl& t = *device.unsafeGetTensorImpl();
   c10::StorageImpl* cs = e.storage.unsafeGetStorageImpl();
   if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
@@ -606,7 +606,8 @@ inline void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor& devic
   if (cimpl->dtype() != t.dtype()) {
     e.cpu = make_tensor_like(e.storage, c10::DispatchKey::CPU, device);
   } else {
-    if (!same_layout(*cimpl, t))
+    // (The alias is a plain TensorImpl, made by make_tensor_like.)
+    if (!(plain_tensor_impl(t) ? same_stored_layout(*cimpl, t) : same_layout(*cimpl, t)))
       cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
     if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
     if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
@@ -615,49 +616,47 @@ inline void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor& devic
 }  // namespace
 
 // [docs:start ALIAS_MEMO_MATCH]
-// The next tensor of a call whose aliases so far all matched the memo: its cached alias if it
-// matches too (nullptr: from here on, the ordinary path, which records).
-const at::Tensor* HostKernel::alias_from_memo(const at::Tensor& t) {
-  AliasMemo& m = *memo_;
-  Session& s = *s_;
-  if (m.matching) {
+// A tensor of a call whose aliases so far all matched the memo: if it matches its record too, its
+// cached alias is handed out here (revalidated as on the ordinary path, only faster while nothing
+// changed); otherwise the call goes on by the ordinary path, which records.
+const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
+  AliasMemo* m = memo_;
+  if (m != nullptr && m->matching) {
     const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
-    const c10::StorageImpl* ds = timpl->unsafe_storage().unsafeGetStorageImpl();
+    c10::StorageImpl* ds = timpl->unsafe_storage().unsafeGetStorageImpl();
     // The session's index is built only by the ordinary path, which ends the matching prefix.
-    if (m.next < m.records.size()) {
-      const AliasMemo::Record& r = m.records[m.next];
+    if (m->next < m->records.size()) {
+      const AliasMemo::Record& r = m->records[m->next];
       AliasCache::Entry* e = r.entry;
       if (r.device == timpl && r.device_storage == ds && e->key == timpl && e->owner == nullptr) {
-        ++m.next;
-        // The alias is revalidated as on the ordinary path, only faster while nothing changed.
-        const c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
+        ++m->next;
+        c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
         const c10::TensorImpl* cimpl = e->cpu.unsafeGetTensorImpl();
         if (cs->data() != ds->data() || cs->nbytes() != ds->nbytes() ||
             cimpl->dtype() != timpl->dtype() ||
             ((cimpl->key_set().raw_repr() ^ timpl->key_set().raw_repr()) & kMathBits) != 0 ||
-            !same_stored_layout(*cimpl, *timpl))
+            !same_stored_layout(*cimpl, *timpl)) {
           revalidate(*e, t, ds);
+          cs = e->storage.unsafeGetStorageImpl();
+        }
         e->owner = s_;
-        auto* dev_storage = const_cast<c10::StorageImpl*>(ds);
-        s.storages.push_back({e->storage.unsafeGetStorageImpl(), dev_storage});
-        s.tensors.emplace_back(at::Tensor(), e, s.hold(t), dev_storage);
+        Session& s = *s_;
+        s.storages.push_back({cs, ds});
+        s.tensors.emplace_back(at::Tensor(), e, s.hold(t), ds);
         ++s.checked_out;
-        return &e->cpu;
+        return e->cpu;
       }
     }
-    m.matching = false;
-    m.matched = m.next;
-    m.records.resize(m.next);
+    m->matching = false;
+    m->matched = m->next;
+    m->records.resize(m->next);
   }
-  return nullptr;
+  return alias_ordinary(t);
 }
 // [docs:end ALIAS_MEMO_MATCH]
 
 // [docs:start HOST_KERNEL_ALIAS]
-const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
-  if (memo_ != nullptr) {
-    if (const at::Tensor* cpu = alias_from_memo(t)) return *cpu;
-  }
+C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
   // This thread's cached alias: handed out to this call already (a tensor passed twice), free to
   // be revalidated, or in use by an outer call on this thread (nested kernels).

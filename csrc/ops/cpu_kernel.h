@@ -75,7 +75,7 @@ class HostKernel {
 
  private:
   static Session* acquire_session(int memo_site, AliasMemo*& memo);
-  const at::Tensor* alias_from_memo(const at::Tensor& device_tensor);
+  const at::Tensor& alias_ordinary(const at::Tensor& device_tensor);  // not from the memo
   c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
 
   const int device_;
