@@ -255,6 +255,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
     return w;
   }
 
+  // [docs:start UNBOXED_MEMO_SITE]
   // Tensor-list operators keep a memo of their last call's tensors (cpu_kernel.cpp, ALIAS_MEMO):
   // an optimizer step passes the same parameters and states to the same operator every step.
   static int memo_site() {
@@ -265,6 +266,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
       return -1;
     }
   }
+  // [docs:end UNBOXED_MEMO_SITE]
 
   // [docs:start UNBOXED_ROUTE]
   static Ret call(c10::DispatchKeySet ks, Args... args) {
