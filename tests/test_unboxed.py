@@ -393,3 +393,186 @@ def test_optimizer_and_reduction_kernels_take_the_route(name):
     assert_same(cpu_in, [dev_a, dev_b])  # in-place results landed in device memory
     if name in ("lerp_", "addcmul_", "addcdiv_", "div__Scalar"):
         assert r is dev_a  # an in-place kernel returns the device tensor itself
+
+
+# ---- the memo of a tensor-list operator's last call (csrc/ops/cpu_kernel.cpp, ALIAS_MEMO) ----
+# A call passing the same tensors as the call before at the same operator finds their aliases in
+# the memo; whatever changed between the two calls must be seen, as without the memo.
+
+def memo_aliases():
+    return C._route_calls("unboxed.memo")
+
+
+def _step(lists):
+    """An in-place foreach call and a fused SGD step on the same lists: each call checks the
+    memo of the one before."""
+    a, b, c = lists
+    torch._foreach_mul_(a, 0.5)
+    torch._foreach_add_(a, b, alpha=2.0)
+    if any(t.is_neg() for l in lists for t in l):
+        return  # the fused kernels refuse written tensors with the negative bit, CPU included
+    torch._fused_sgd_(a, b, c, weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.0,
+                      nesterov=False, maximize=False, is_first_step=False)
+
+
+def _memo_lists(n=6, numel=7):
+    return [[_t(numel, seed=100 * s + i) + 0.1 for i in range(n)] for s in range(3)]
+
+
+def _new_memory(t):
+    # A storage grown in place moves to other memory, its contents copied: no kernel sees the
+    # tensor in between.
+    t.untyped_storage().resize_(2 * t.untyped_storage().nbytes())
+
+
+_BETWEEN_CALLS = {
+    "nothing": lambda lists: None,
+    "resize_ (grows the storage)": lambda lists: [t.resize_(12)[7:].fill_(1.0) for t in
+                                                  (lists[0][2], lists[1][2], lists[2][2])],
+    "resize_ (other shape)": lambda lists: [t.resize_(1, 7) for t in
+                                            (lists[0][1], lists[1][1], lists[2][1])],
+    "as_strided_": lambda lists: [t.as_strided_((3,), (2,), 1) for t in
+                                  (lists[0][3], lists[1][3], lists[2][3])],
+    "set_ to another storage": lambda lists: lists[1][0].set_(lists[1][0].clone() * 3),
+    "set_ onto another argument's storage": lambda lists: lists[1][4].set_(
+        lists[0][5].untyped_storage(), 0, (7,), (1,)),
+    "storage grown (new memory)": lambda lists: _new_memory(lists[0][0]),
+    "neg bit": lambda lists: torch._C._set_neg(lists[1][3], True),
+    "tensors replaced by new ones": lambda lists: [l.__setitem__(i, l[i].clone() + 1)
+                                                   for l in lists for i in range(len(l))],
+    "same tensors in another order": lambda lists: [l.reverse() for l in lists],
+    "a tensor twice in a list": lambda lists: lists[0].__setitem__(4, lists[0][1]),
+}
+
+
+@pytest.mark.parametrize("change", list(_BETWEEN_CALLS))
+def test_memo_sees_changes_between_calls(change):
+    results = {}
+    memo_before = memo_aliases()
+    for device in ("cpu", DEV):
+        lists = [[t.to(device) for t in l] for l in _memo_lists()]
+        _step(lists)
+        _step(lists)  # served by the memo
+        _BETWEEN_CALLS[change](lists)
+        _step(lists)
+        _step(lists)
+        results[device] = lists
+    assert memo_aliases() > memo_before
+    for lc, ld in zip(results["cpu"], results[DEV]):
+        for c, d in zip(lc, ld):
+            assert_same(c, d)
+            assert c.is_neg() == d.is_neg()
+
+
+def test_memo_with_tensors_that_die_and_addresses_reused():
+    # Fresh lists each step, the previous ones freed: new tensors (and storages) may come at the
+    # addresses of the dead ones, which must never be taken for them.
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        cpu = [[torch.rand(5 + step % 3, generator=g) for _ in range(4)] for _ in range(3)]
+        dev = [[t.to(DEV) for t in l] for l in cpu]
+        _step(cpu)
+        _step(dev)
+        for lc, ld in zip(cpu, dev):
+            for c, d in zip(lc, ld):
+                torch.testing.assert_close(d.cpu(), c)
+        del dev
+
+
+def test_memo_across_many_tensors_and_a_sweep_of_the_cache():
+    # More tensors than the alias cache keeps before it sweeps the entries of dead tensors:
+    # entries a memo points to leave the cache and are reused by other tensors.
+    keep = [_memo_lists(n=8)]
+    keep_dev = [[[t.to(DEV) for t in l] for l in keep[0]]]
+    for i in range(300):
+        a = [t.to(DEV) for t in _memo_lists(n=4)[0]]
+        torch._foreach_mul_(a, 2.0)  # four tensors cached, then dead
+        if i % 50 == 0:
+            _step(keep[0])
+            _step(keep_dev[0])
+    _step(keep[0])
+    _step(keep_dev[0])
+    for lc, ld in zip(keep[0], keep_dev[0]):
+        for c, d in zip(lc, ld):
+            torch.testing.assert_close(d.cpu(), c)
+
+
+def test_memo_with_the_same_tensors_on_another_device_and_dtype():
+    results = {}
+    for device in ("cpu", DEV, "openreg:1"):
+        lists = [[t.to(device) for t in l] for l in _memo_lists()]
+        _step(lists)
+        _step(lists)
+        lists = [[t.to("openreg:0" if device == "openreg:1" else device) for t in l]
+                 for l in lists]
+        _step(lists)
+        lists = [[t.double() for t in l] for l in lists]
+        _step(lists)
+        _step(lists)
+        results[device] = lists
+    for other in (DEV, "openreg:1"):
+        for lc, ld in zip(results["cpu"], results[other]):
+            for c, d in zip(lc, ld):
+                assert_same(c, d)
+
+
+def test_memo_with_views_of_one_storage():
+    # Views of one storage in a list get aliases sharing one CPU storage (the ordinary path):
+    # the memo must not make them look independent, neither in the call that has them from the
+    # start nor after a tensor was moved onto another's storage.
+    results = {}
+    for device in ("cpu", DEV):
+        base = torch.arange(24.0).to(device)
+        a = [base[0:6], base[6:12], base[12:18]]
+        b = [torch.ones(6).to(device) for _ in range(3)]
+        for _ in range(3):
+            torch._foreach_add_(a, b)
+            torch._foreach_mul_(a, 2.0)
+        own = [torch.full((6,), 5.0).to(device) for _ in range(3)]
+        torch._foreach_add_(own, b)
+        torch._foreach_add_(own, b)
+        own[2].set_(own[0].untyped_storage(), 0, (6,), (1,))  # now two views of one storage
+        torch._foreach_add_(own, b)
+        results[device] = (base, own)
+    assert_same(results["cpu"], results[DEV])
+
+
+def test_memo_sees_a_partial_overlap_made_between_calls():
+    # A tensor moved onto another argument's storage, overlapping it in part, the lists otherwise
+    # the same tensors: the CPU kernel refuses the in-place write, on openreg as on the CPU.
+    for device in ("cpu", DEV):
+        base = torch.arange(7.0).to(device)
+        x = [torch.arange(6.0).to(device), base[0:6]]
+        y = [torch.ones(6).to(device) for _ in range(2)]
+        torch._foreach_add_(x, y)
+        torch._foreach_add_(x, y)  # served by the memo
+        y[1].set_(base.untyped_storage(), 1, (6,), (1,))
+        with pytest.raises(RuntimeError, match="unsupported operation: some elements of the "
+                           "input tensor and the written-to tensor refer to a single memory"):
+            torch._foreach_add_(x, y)
+
+
+def test_memo_on_two_threads():
+    import threading
+    errors = []
+    lists_cpu = _memo_lists(n=5)
+
+    def work(seed):
+        try:
+            mine = [[t.clone() for t in l] for l in lists_cpu]
+            mine_dev = [[t.to(DEV) for t in l] for l in mine]
+            for _ in range(100):
+                _step(mine)
+                _step(mine_dev)
+            for lc, ld in zip(mine, mine_dev):
+                for c, d in zip(lc, ld):
+                    torch.testing.assert_close(d.cpu(), c)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -2,6 +2,7 @@
 #include "ops/cpu_kernel.h"
 
 #include "adapters/autograd.h"
+#include "routes/call_counter.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
@@ -9,6 +10,8 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
+#include <atomic>
+#include <deque>
 #include <iterator>
 #include <typeinfo>
 #include <cstdlib>
@@ -91,16 +94,21 @@ at::Tensor cpu_alias(const at::Tensor& t) {
 //    instead of a TensorImpl, a StorageImpl and an entry being made, and the cache stays small.
 struct HostKernel::AliasCache {
   struct Entry {
-    explicit Entry(const at::Tensor& t) : device(t.getIntrusivePtr()), key(t.unsafeGetTensorImpl()) {}
+    Entry() : device(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()) {}
     c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> device;
-    const c10::TensorImpl* key;  // the device tensor's, while `device` keeps the address taken
+    const c10::TensorImpl* key = nullptr;  // the device tensor's, while `device` keeps the address
+                                           // taken; nullptr: a spare entry
     at::Tensor cpu;
     c10::Storage storage;  // the storage made for `cpu`, borrowing the device memory
     // The session the alias is handed out to (nullptr: free). A call finds a tensor it passes
     // twice by this mark, without a search.
     const HostKernel::Session* owner = nullptr;
   };
-  ska::flat_hash_map<const c10::TensorImpl*, std::unique_ptr<Entry>> entries;
+  ska::flat_hash_map<const c10::TensorImpl*, Entry*> entries;
+  // Entries are never freed, only made spare: a call site's memo (ALIAS_MEMO) may point to an
+  // entry that left the cache, and finds it spare or another tensor's by its key.
+  std::deque<Entry> pool;
+  std::vector<Entry*> spare;
   size_t sweep_at = 1024;
   // The entries made or taken over last (valid until an entry is erased: then cleared).
   static constexpr size_t kRecent = 4;
@@ -110,18 +118,46 @@ struct HostKernel::AliasCache {
   void remember(Entry* e) { recent[next_recent++ % kRecent] = e; }
   void forget_recent() { std::fill(std::begin(recent), std::end(recent), nullptr); }
 
+  Entry* make(const at::Tensor& t) {
+    Entry* e;
+    if (spare.empty()) {
+      e = &pool.emplace_back();
+    } else {
+      e = spare.back();
+      spare.pop_back();
+    }
+    e->device = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+        t.getIntrusivePtr());
+    e->key = t.unsafeGetTensorImpl();
+    entries.emplace(e->key, e);
+    return e;
+  }
+  // Out of the map first, then the weak reference that kept the key's address goes.
+  void release(Entry* e) {
+    e->device.reset();
+    e->key = nullptr;
+    e->cpu.reset();
+    e->storage = c10::Storage();
+    e->owner = nullptr;
+    spare.push_back(e);
+  }
+  void erase(const c10::TensorImpl* key) {
+    auto it = entries.find(key);
+    Entry* e = it->second;
+    entries.erase(it);
+    release(e);
+  }
+
   // A recent entry whose device tensor died, now `t`'s; nullptr if there is none.
   Entry* take_over(const at::Tensor& t) {
     for (Entry* e : recent) {
       if (e == nullptr || e->owner != nullptr || !e->device.expired()) continue;
-      auto it = entries.find(e->key);
-      std::unique_ptr<Entry> held = std::move(it->second);
-      entries.erase(it);
+      entries.erase(e->key);
       // The old key is erased before the weak reference that kept its address goes.
       e->device = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
           t.getIntrusivePtr());
       e->key = t.unsafeGetTensorImpl();
-      entries.emplace(e->key, std::move(held));
+      entries.emplace(e->key, e);
       return e;
     }
     return nullptr;
@@ -130,8 +166,13 @@ struct HostKernel::AliasCache {
   void sweep() {
     forget_recent();
     for (auto it = entries.begin(); it != entries.end();) {
-      if (it->second->owner == nullptr && it->second->device.expired()) it = entries.erase(it);
-      else ++it;
+      Entry* e = it->second;
+      if (e->owner == nullptr && e->device.expired()) {
+        it = entries.erase(it);
+        release(e);
+      } else {
+        ++it;
+      }
     }
     sweep_at = std::max<size_t>(1024, 2 * entries.size());
   }
@@ -199,6 +240,48 @@ class AddressIndex {
   uint32_t gen_ = 1;
 };
 // [docs:end ADDRESS_INDEX]
+
+// [docs:start ALIAS_MEMO]
+// What a call site's last call aliased, in order (on this thread): a tensor-list operator called
+// again on the same lists (an optimizer step, each step on the same parameters and states) finds
+// each tensor's cached alias here instead of looking it up, and knows its storage is not another
+// argument's without probing the session's index. A tensor matches its record if it is the same
+// TensorImpl, with the same StorageImpl, and the record's cache entry is still that tensor's (its
+// key) and free; its alias is then revalidated as any cached alias (revalidate), so a tensor
+// changed in place between calls gets a correct alias.
+//  * Only a prefix of the call matches: from the first tensor that does not, the call takes the
+//    ordinary path and records what it finds, until a tensor that did not get a cached alias with
+//    a storage of its own (a tensor twice, views of one storage, nested calls): the records are
+//    always tensors whose storages were pairwise distinct, so tensors matching them position by
+//    position (same live StorageImpls) have distinct storages too.
+//  * Entries are never freed (AliasCache::pool), so a record's entry can be read whatever became
+//    of it; one that left the cache has no key, one taken over has another tensor's.
+//  * A memo serves one HostKernel at a time (a nested call at the same site goes without).
+struct HostKernel::AliasMemo {
+  struct Record {
+    const c10::TensorImpl* device;
+    const c10::StorageImpl* device_storage;
+    AliasCache::Entry* entry;
+  };
+  std::vector<Record> records;
+  size_t next = 0;         // the position of the call's next alias
+  size_t matched = 0;      // aliases found in the memo, once the call stopped matching
+  bool matching = true;    // the call's aliases so far were records[0, next)
+  bool recording = true;   // ... or were recorded
+  bool in_use = false;
+
+  void start() {
+    in_use = true;
+    next = 0;
+    matching = recording = true;
+  }
+  void record(const c10::TensorImpl* t, const c10::StorageImpl* storage, AliasCache::Entry* e) {
+    if (!recording) return;
+    records.push_back({t, storage, e});
+    ++next;
+  }
+};
+// [docs:end ALIAS_MEMO]
 
 // [docs:start SESSION_INDEX]
 // A session finds what it aliased by address: the alias of a device tensor (each is aliased
@@ -378,7 +461,14 @@ struct KernelThread {
   size_t depth = 0;  // sessions in use on this thread (nested HostKernels)
   bool configured = false;
   std::unique_ptr<HostKernel::AliasCache> aliases = std::make_unique<HostKernel::AliasCache>();
+  std::vector<std::unique_ptr<HostKernel::AliasMemo>> memos;  // by call site
 };
+std::atomic<int> g_memo_sites{0};
+// Aliases found through a memo, for tests (torch_openreg._C._route_calls("unboxed.memo")).
+std::atomic<int64_t>& g_memo_aliases = call_counter("unboxed.memo");
+// Conjugate and negative bits, compared in one step.
+const uint64_t kMathBits = (c10::DispatchKeySet(c10::DispatchKey::Conjugate) |
+                            c10::DispatchKeySet(c10::DispatchKey::Negative)).raw_repr();
 thread_local KernelThread t_kernel;
 
 // The deleter of memory a cached alias borrows: never called (the DataPtr has no context).
@@ -406,13 +496,53 @@ inline bool same_layout(const c10::TensorImpl& a, const c10::TensorImpl& b) {
     if (as[i] != bs[i] || ast[i] != bst[i]) return false;
   return true;
 }
+
+// The same for tensors known to have the default size policy (plain TensorImpls, see
+// ALIAS_MEMO): the fields read as stored. Through the public accessors, each of which checks the
+// policy and may call a virtual function, the comparison above is about 80 instructions; a
+// tensor-list operator pays it for every tensor of every call.
+struct StoredLayout : c10::TensorImpl {
+  static constexpr auto sizes_and_strides() { return &StoredLayout::sizes_and_strides_; }
+  static constexpr auto storage_offset() { return &StoredLayout::storage_offset_; }
+};
+inline bool same_stored_layout(const c10::TensorImpl& a, const c10::TensorImpl& b) {
+  const c10::impl::SizesAndStrides& as = a.*StoredLayout::sizes_and_strides();
+  const c10::impl::SizesAndStrides& bs = b.*StoredLayout::sizes_and_strides();
+  const size_t n = as.size();
+  if (n != bs.size() || a.*StoredLayout::storage_offset() != b.*StoredLayout::storage_offset())
+    return false;
+  const int64_t* asz = as.sizes_data();
+  const int64_t* bsz = bs.sizes_data();
+  const int64_t* ast = as.strides_data();
+  const int64_t* bst = bs.strides_data();
+  for (size_t i = 0; i < n; ++i)
+    if (asz[i] != bsz[i] || ast[i] != bst[i]) return false;
+  return true;
+}
+
+// A TensorImpl of the default size policy for as long as it lives: not a subclass, not a Python
+// wrapper (the two ways a tensor gets custom sizes or strides).
+inline bool plain_tensor_impl(const c10::TensorImpl& t) {
+  return typeid(t) == typeid(c10::TensorImpl) && !t.key_set().has(c10::DispatchKey::Python);
+}
 }  // namespace
 
-HostKernel::Session* HostKernel::acquire_session() {
+int HostKernel::new_memo_site() { return g_memo_sites.fetch_add(1); }
+
+HostKernel::Session* HostKernel::acquire_session(int memo_site, AliasMemo*& memo) {
   KernelThread& k = t_kernel;
   if (!k.configured) {
     k.configured = true;
     configure_kernel_thread();
+  }
+  if (memo_site >= 0) {
+    if (size_t(memo_site) >= k.memos.size()) k.memos.resize(memo_site + 1);
+    std::unique_ptr<AliasMemo>& m = k.memos[memo_site];
+    if (m == nullptr) m = std::make_unique<AliasMemo>();
+    if (!m->in_use) {
+      m->start();
+      memo = m.get();
+    }
   }
   if (k.depth == k.sessions.size())
     k.sessions.push_back(std::make_unique<Session>(k.aliases.get()));
@@ -428,6 +558,11 @@ HostKernel::~HostKernel() {
   // Releases the aliases while the stream is still held and device memory still accessible
   // (strict mode), as the members' destruction did before sessions were pooled.
   s_->clear();
+  if (memo_ != nullptr) {
+    memo_->in_use = false;
+    const size_t matched = memo_->matching ? memo_->next : memo_->matched;
+    if (matched != 0) g_memo_aliases.fetch_add(int64_t(matched), std::memory_order_relaxed);
+  }
   --t_kernel.depth;
 }
 // [docs:end SESSION_INDEX]
@@ -443,31 +578,102 @@ void HostKernel::Session::return_cached() {
     if (e == nullptr) continue;
     e->owner = nullptr;
     c10::StorageImpl* storage = e->storage.unsafeGetStorageImpl();
-    const bool on_storage = e->cpu.storage().unsafeGetStorageImpl() == storage;
+    const bool on_storage = e->cpu.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() == storage;
     const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
     if (!kept && on_storage && borrows(storage)) continue;
     if (borrows(storage))
       storage->set_data_ptr_noswap(
           data_ptr_owned_by(a.device_storage, c10::Device(c10::DeviceType::CPU)));
-    aliases->entries.erase(a.device.unsafeGetTensorImpl());
+    aliases->erase(a.device.unsafeGetTensorImpl());
     aliases->forget_recent();
   }
   checked_out = 0;
 }
 // [docs:end ALIAS_CACHE_RETURN]
 
-// [docs:start HOST_KERNEL_ALIAS]
+namespace {
+// A cached alias made to match its device tensor again: storage memory and size, dtype, sizes,
+// strides, offset, conjugate and negative bits, each updated in place if it changed.
+C10_NOINLINE void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor& device,
+                             const c10::StorageImpl* dev_storage) {
+  const c10::TensorImpl& t = *device.unsafeGetTensorImpl();
+  c10::StorageImpl* cs = e.storage.unsafeGetStorageImpl();
+  if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
+    cs->set_data_ptr_noswap(borrow(dev_storage));
+    cs->set_nbytes(dev_storage->nbytes());
+  }
+  c10::TensorImpl* cimpl = e.cpu.unsafeGetTensorImpl();
+  if (cimpl->dtype() != t.dtype()) {
+    e.cpu = make_tensor_like(e.storage, c10::DispatchKey::CPU, device);
+  } else {
+    // (The alias is a plain TensorImpl, made by make_tensor_like.)
+    if (!(plain_tensor_impl(t) ? same_stored_layout(*cimpl, t) : same_layout(*cimpl, t)))
+      cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+    if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
+    if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
+  }
+}
+}  // namespace
+
+// [docs:start ALIAS_MEMO_MATCH]
+// A tensor of a call whose aliases so far all matched the memo: if it matches its record too, its
+// cached alias is handed out here (revalidated as on the ordinary path, only faster while nothing
+// changed); otherwise the call goes on by the ordinary path, which records.
 const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
+  AliasMemo* m = memo_;
+  if (m != nullptr && m->matching) {
+    const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
+    c10::StorageImpl* ds = timpl->unsafe_storage().unsafeGetStorageImpl();
+    // The session's index is built only by the ordinary path, which ends the matching prefix.
+    if (m->next < m->records.size()) {
+      const AliasMemo::Record& r = m->records[m->next];
+      AliasCache::Entry* e = r.entry;
+      if (r.device == timpl && r.device_storage == ds && e->key == timpl && e->owner == nullptr) {
+        ++m->next;
+        c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
+        const c10::TensorImpl* cimpl = e->cpu.unsafeGetTensorImpl();
+        if (cs->data() != ds->data() || cs->nbytes() != ds->nbytes() ||
+            cimpl->dtype() != timpl->dtype() ||
+            ((cimpl->key_set().raw_repr() ^ timpl->key_set().raw_repr()) & kMathBits) != 0 ||
+            !same_stored_layout(*cimpl, *timpl)) {
+          revalidate(*e, t, ds);
+          cs = e->storage.unsafeGetStorageImpl();
+        }
+        e->owner = s_;
+        Session& s = *s_;
+        s.storages.push_back({cs, ds});
+        s.tensors.emplace_back(at::Tensor(), e, s.hold(t), ds);
+        ++s.checked_out;
+        return e->cpu;
+      }
+    }
+    m->matching = false;
+    m->matched = m->next;
+    m->records.resize(m->next);
+  }
+  return alias_ordinary(t);
+}
+// [docs:end ALIAS_MEMO_MATCH]
+
+// [docs:start HOST_KERNEL_ALIAS]
+C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
   const c10::TensorImpl* timpl = t.unsafeGetTensorImpl();
   // This thread's cached alias: handed out to this call already (a tensor passed twice), free to
   // be revalidated, or in use by an outer call on this thread (nested kernels).
   AliasCache& cache = *s_->aliases;
   auto it = cache.entries.find(timpl);
-  AliasCache::Entry* e = it == cache.entries.end() ? nullptr : it->second.get();
-  if (e != nullptr && e->owner == s_) return e->cpu;
+  AliasCache::Entry* e = it == cache.entries.end() ? nullptr : it->second;
+  // Anything but a cached alias over a storage of its own ends the memo's record of the call.
+  if (e != nullptr && e->owner == s_) {
+    if (memo_ != nullptr) memo_->recording = false;
+    return e->cpu;
+  }
   if (s_->uncached != 0) {  // aliased in this call without the cache?
     int found = s_->find_tensor(timpl, Session::DeviceTensor);
-    if (found >= 0) return s_->tensors[found].cpu();
+    if (found >= 0) {
+      if (memo_ != nullptr) memo_->recording = false;
+      return s_->tensors[found].cpu();
+    }
   }
   const c10::Storage& storage = t.storage();
   c10::StorageImpl* dev_storage = storage.unsafeGetStorageImpl();
@@ -476,6 +682,7 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   if (st >= 0) {
     // Another argument of the call has this storage: an alias over the same CPU storage, so that
     // the kernel sees the overlap, made for this call only.
+    if (memo_ != nullptr) memo_->recording = false;
     at::Tensor cpu = make_tensor_like(
         c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
         c10::DispatchKey::CPU, t);
@@ -486,31 +693,17 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   if (e == nullptr) e = cache.take_over(t);
   if (e == nullptr) {
     if (cache.entries.size() >= cache.sweep_at) cache.sweep();
-    auto entry = std::make_unique<AliasCache::Entry>(t);
-    entry->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+    e = cache.make(t);
+    e->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
         c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
         c10::GetCPUAllocator(), /*resizable=*/true));
-    entry->cpu = make_tensor_like(entry->storage, c10::DispatchKey::CPU, t);
-    e = entry.get();
-    cache.entries.emplace(timpl, std::move(entry));
+    e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
     cache.remember(e);
   } else if (e->owner == nullptr) {
-    c10::StorageImpl* cs = e->storage.unsafeGetStorageImpl();
-    if (cs->data() != dev_storage->data() || cs->nbytes() != dev_storage->nbytes()) {
-      cs->set_data_ptr_noswap(borrow(dev_storage));
-      cs->set_nbytes(dev_storage->nbytes());
-    }
-    c10::TensorImpl* cimpl = e->cpu.unsafeGetTensorImpl();
-    if (cimpl->dtype() != t.dtype()) {
-      e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
-    } else {
-      if (!same_layout(*cimpl, *timpl))
-        cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-      if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
-      if (cimpl->is_neg() != t.is_neg()) cimpl->_set_neg(t.is_neg());
-    }
+    revalidate(*e, t, dev_storage);
   } else {
     // In use by an outer call on this thread (nested kernels): a fresh alias for this call.
+    if (memo_ != nullptr) memo_->recording = false;
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
     s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage, claimed);  // held by the alias
     at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
@@ -520,6 +713,11 @@ const at::Tensor& HostKernel::alias_ref(const at::Tensor& t) {
   e->owner = s_;
   s_->add_storage(e->storage.unsafeGetStorageImpl(), dev_storage, claimed);
   s_->add_cached_tensor(e, t, dev_storage);
+  if (memo_ != nullptr) {
+    // The match compares sizes and strides as stored.
+    if (plain_tensor_impl(*timpl)) memo_->record(timpl, dev_storage, e);
+    else memo_->recording = false;
+  }
   return e->cpu;
 }
 // [docs:end HOST_KERNEL_ALIAS]

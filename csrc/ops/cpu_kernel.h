@@ -26,8 +26,9 @@ void configure_kernel_thread();
 
 class HostKernel {
  public:
-  explicit HostKernel(int device)
-      : device_(device), launch_(current_stream(device)), allocate_(device), s_(acquire_session()) {}
+  explicit HostKernel(int device, int memo_site = -1)
+      : device_(device), launch_(current_stream(device)), allocate_(device),
+        s_(acquire_session(memo_site, memo_)) {}
   ~HostKernel();
   HostKernel(const HostKernel&) = delete;
   HostKernel& operator=(const HostKernel&) = delete;
@@ -65,9 +66,16 @@ class HostKernel {
   struct Session;
   // Aliases kept from call to call, per thread and device tensor (cpu_kernel.cpp, ALIAS_CACHE).
   struct AliasCache;
+  // A call site's memo of the tensors its last call aliased, per thread (cpu_kernel.cpp,
+  // ALIAS_MEMO): a call that passes the same tensors again (an optimizer step's lists) finds their
+  // cached aliases without a lookup. A site gets its number once (new_memo_site) and passes it to
+  // each HostKernel.
+  struct AliasMemo;
+  static int new_memo_site();
 
  private:
-  static Session* acquire_session();
+  static Session* acquire_session(int memo_site, AliasMemo*& memo);
+  const at::Tensor& alias_ordinary(const at::Tensor& device_tensor);  // not from the memo
   c10::Storage device_storage_for(const at::Tensor& cpu_tensor);
 
   const int device_;
@@ -75,6 +83,7 @@ class HostKernel {
   LaunchScope launch_;
   KernelScope kernel_;
   AllocateOnDevice allocate_;
+  AliasMemo* memo_ = nullptr;  // set by acquire_session, before s_
   Session* const s_;
 };
 

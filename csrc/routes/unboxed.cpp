@@ -255,6 +255,19 @@ struct UnboxedRoute<Op, Ret(Args...)> {
     return w;
   }
 
+  // [docs:start UNBOXED_MEMO_SITE]
+  // Tensor-list operators keep a memo of their last call's tensors (cpu_kernel.cpp, ALIAS_MEMO):
+  // an optimizer step passes the same parameters and states to the same operator every step.
+  static int memo_site() {
+    if constexpr ((std::is_same_v<Bare<Args>, at::TensorList> || ...)) {
+      static const int site = HostKernel::new_memo_site();
+      return site;
+    } else {
+      return -1;
+    }
+  }
+  // [docs:end UNBOXED_MEMO_SITE]
+
   // [docs:start UNBOXED_ROUTE]
   static Ret call(c10::DispatchKeySet ks, Args... args) {
     const Writes& s = writes();
@@ -274,7 +287,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
 
   template <size_t... I>
   static Ret run(int device, const Writes& s, std::index_sequence<I...>, Args&... args) {
-    HostKernel k(device);
+    HostKernel k(device, memo_site());
     k.caller_holds_arguments();  // the caller's references outlive the call
     std::tuple<typename ToCpu<Args>::type...> cpu{ToCpu<Args>::convert(k, args)...};
     const bool write_back = !keeps_metadata();
