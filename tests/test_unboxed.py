@@ -391,6 +391,7 @@ def test_optimizer_and_reduction_kernels_take_the_route(name):
     assert_same(cpu, r)
     assert_same(cpu, fb)
     assert_same(cpu_in, [dev_a, dev_b])  # in-place results landed in device memory
+    assert_same(cpu_in, fb_in)
     if name in ("lerp_", "addcmul_", "addcdiv_", "div__Scalar"):
         assert r is dev_a  # an in-place kernel returns the device tensor itself
 
