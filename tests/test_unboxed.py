@@ -375,6 +375,13 @@ SINGLE_CALLS = {
     "vector_norm": lambda a, b: torch.linalg.vector_norm(a, 2.0, (0,), True),
     "clamp_min": lambda a, b: a.clamp_min(0.5),
     "noncontiguous": lambda a, b: a.t().lerp_(b, 0.5),
+    # The out= products Inductor's generated code calls (extern kernels).
+    "mm_out": lambda a, b: torch.mm(a, b, out=torch.empty(3, 3, device=a.device)),
+    "mm_out_resized": lambda a, b: torch.mm(a, b, out=torch.empty(0, device=a.device)),
+    "addmm_out": lambda a, b: torch.addmm(b[0], a, b, beta=0.5, alpha=2,
+                                          out=torch.empty(3, 3, device=a.device)),
+    "bmm_out": lambda a, b: torch.bmm(a.unsqueeze(0), b.unsqueeze(0),
+                                      out=torch.empty(1, 3, 3, device=a.device)),
 }
 
 

@@ -16,6 +16,7 @@
 #include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
+#include "ops/split_matmul.h"
 #include "routes/call_counter.h"
 #include "routes/unboxed.h"
 #include "runtime/device.h"
@@ -199,6 +200,65 @@ void check_result(const at::Tensor& t, const c10::OperatorHandle& op) {
                               " returned a tensor it cannot hand back");
 }
 
+// Matrix products a device thread may compute together with helper threads
+// (ops/split_matmul.cpp, MATMUL_SPLIT); std::nullopt: the CPU kernel runs as it is.
+template <class Op>
+struct SplitProduct {
+  static constexpr bool exists = false;
+};
+template <>
+struct SplitProduct<at::_ops::mm> {
+  static constexpr bool exists = true;
+  static std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b) {
+    return split_mm(a, b);
+  }
+};
+template <>
+struct SplitProduct<at::_ops::addmm> {
+  static constexpr bool exists = true;
+  static std::optional<at::Tensor> run(const at::Tensor& self, const at::Tensor& a,
+                                       const at::Tensor& b, const c10::Scalar& beta,
+                                       const c10::Scalar& alpha) {
+    return split_addmm(self, a, b, beta, alpha);
+  }
+};
+template <>
+struct SplitProduct<at::_ops::bmm> {
+  static constexpr bool exists = true;
+  static std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b) {
+    return split_bmm(a, b);
+  }
+};
+// The out= forms: run() true when the product was written into out, returned by out().
+template <>
+struct SplitProduct<at::_ops::mm_out> {
+  static constexpr bool exists = true;
+  static bool run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+    return split_mm_out(a, b, out);
+  }
+  static at::Tensor& out(const at::Tensor&, const at::Tensor&, at::Tensor& out) { return out; }
+};
+template <>
+struct SplitProduct<at::_ops::addmm_out> {
+  static constexpr bool exists = true;
+  static bool run(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
+                  const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+    return split_addmm_out(self, a, b, beta, alpha, out);
+  }
+  static at::Tensor& out(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const c10::Scalar&, const c10::Scalar&, at::Tensor& out) {
+    return out;
+  }
+};
+template <>
+struct SplitProduct<at::_ops::bmm_out> {
+  static constexpr bool exists = true;
+  static bool run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
+    return split_bmm_out(a, b, out);
+  }
+  static at::Tensor& out(const at::Tensor&, const at::Tensor&, at::Tensor& out) { return out; }
+};
+
 template <class Op, class Sig = typename Op::schema>
 struct UnboxedRoute;
 
@@ -304,7 +364,15 @@ struct UnboxedRoute<Op, Ret(Args...)> {
         sync();
         return;
       } else if constexpr (std::is_same_v<Ret, at::Tensor&>) {
-        at::Tensor& r = invoke();
+        at::Tensor* written;
+        if constexpr (SplitProduct<Op>::exists) {
+          written = SplitProduct<Op>::run(std::get<I>(cpu)...)
+                        ? &SplitProduct<Op>::out(std::get<I>(cpu)...)
+                        : &invoke();
+        } else {
+          written = &invoke();
+        }
+        at::Tensor& r = *written;
         sync();
         // An in-place or out= kernel returns its written argument: the device tensor itself.
         at::Tensor* found = nullptr;
@@ -313,7 +381,13 @@ struct UnboxedRoute<Op, Ret(Args...)> {
                               " returned a tensor that is not its written argument");
         return *found;
       } else if constexpr (std::is_same_v<Ret, at::Tensor>) {
-        at::Tensor r = invoke();
+        at::Tensor r;
+        if constexpr (SplitProduct<Op>::exists) {
+          std::optional<at::Tensor> split = SplitProduct<Op>::run(std::get<I>(cpu)...);
+          r = split.has_value() ? std::move(*split) : invoke();
+        } else {
+          r = invoke();
+        }
         sync();
         if (r.defined() && r.is_cpu()) {
           check_result(r, op());
@@ -352,7 +426,8 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   X(_foreach_addcmul__Scalar) X(_foreach_addcdiv__Scalar) X(_foreach_sqrt)          \
   X(_foreach_div__List) X(_foreach_add_List) X(_foreach_mul_Scalar)                 \
   X(_fused_adam_) X(_fused_adamw_) X(_fused_sgd_)                                  \
-  X(mm) X(addmm) X(bmm) X(tanh) X(sigmoid) X(exp) X(neg) X(relu) X(pow_Tensor_Scalar)  \
+  X(mm) X(addmm) X(bmm) X(mm_out) X(addmm_out) X(bmm_out)                         \
+  X(tanh) X(sigmoid) X(exp) X(neg) X(relu) X(pow_Tensor_Scalar)                   \
   X(sum_dim_IntList) X(mean_dim) X(_softmax) X(_log_softmax) X(_softmax_backward_data) \
   X(tanh_backward) X(sigmoid_backward) X(threshold_backward)                       \
   X(lerp__Scalar) X(addcmul_) X(addcdiv_) X(sqrt) X(rsqrt) X(div__Scalar)          \
