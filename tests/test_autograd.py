@@ -677,10 +677,46 @@ def test_large_products_of_backward_are_split_with_helper_threads(split_threads,
     assert _C._route_calls("split.matmul") - calls == 2  # the gradients of the weight and of x
     for p, w in zip(list(lin_dev.parameters()) + [x_dev], want):
         torch.testing.assert_close(p.grad.cpu(), w)
-    helpers = [int(t) for t in os.listdir("/proc/self/task")
-               if open(f"/proc/self/task/{t}/comm").read().strip() == "openreg_matmul"]
+    # The helpers compute blocks (the first may wake after the device thread took every block).
+    blocks = _C._route_calls("split.helper_blocks")
+    for _ in range(50):
+        lin_dev(x_dev).square().sum().backward()
+        if _C._route_calls("split.helper_blocks") > blocks:
+            break
+    assert _C._route_calls("split.helper_blocks") > blocks
+    helpers = _threads_named("openreg_matmul")
     assert 1 <= len(helpers) <= len(_PROCESS_AFFINITY) - 1
     assert all(os.sched_getaffinity(t) == _PROCESS_AFFINITY for t in helpers)
+
+
+def _threads_named(name):
+    return [int(t) for t in os.listdir("/proc/self/task")
+            if open(f"/proc/self/task/{t}/comm").read().strip() == name]
+
+
+def test_device_threads_and_helpers_keep_one_openmp_thread(split_threads, device):
+    # ATen sets a thread's OpenMP and MKL counts at its first parallel kernel, to the count of
+    # torch.set_num_threads (the fixture called it): a device thread or a helper must keep one,
+    # or a second OpenMP team (named after the thread that starts it) would slow the process.
+    _C = split_threads
+    seen = {}
+
+    def products(t):
+        big = t["big"] * 2  # 2 million elements: a parallel kernel on the device thread
+        if big.device.type == "openreg":  # not the CPU's reference run, on this thread
+            seen["threads"] = torch.get_num_threads()
+        # addmm's blocks copy their part of self, a parallel kernel on each helper
+        return [big.sum(), torch.addmm(t["self"], t["a"], t["b"])]
+
+    t = {"big": _rand(2_000_000), "self": _rand(1000, 1000), "a": _rand(1000, 64),
+         "b": _rand(64, 1000)}
+    for _ in range(3):
+        got, want = _products_on_the_device_thread(device, products, t)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+    assert seen["threads"] == 1
+    assert len(_threads_named(f"pt_autograd_{torch.device(device).index}")) == 1
+    assert 1 <= len(_threads_named("openreg_matmul")) <= len(_PROCESS_AFFINITY) - 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

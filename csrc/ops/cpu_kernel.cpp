@@ -4,6 +4,7 @@
 #include "adapters/autograd.h"
 #include "routes/call_counter.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
@@ -852,11 +853,27 @@ void configure_kernel_thread() {
   int threads = 1;
   if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
   if (threads <= 0) return;
-  // This thread's team only (at::set_num_threads would change it for the whole process), in
-  // the OpenMP runtime torch is linked with.
+  set_kernel_thread_count(threads);
+}
+
+void set_kernel_thread_count(int threads) {
+  // ATen sets up each thread's counts at the thread's first parallel kernel: to the count of
+  // torch.set_num_threads, if it was called, for OpenMP and for MKL. Done first here, so that it
+  // does not undo what follows (it did: after torch.set_num_threads(2), the device thread's first
+  // kernel of 2 million elements gave it a team of 2).
+  (void)at::get_num_threads();
+  // This thread's counts only (at::set_num_threads would change the process's), in the OpenMP
+  // runtime and the MKL torch is linked with.
   using SetNumThreads = void (*)(int);
-  auto set_num_threads = reinterpret_cast<SetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  if (set_num_threads != nullptr) set_num_threads(threads);
+  using MklSetNumThreadsLocal = int (*)(int);
+  static const auto omp_set =
+      reinterpret_cast<SetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  // MKL's C entry point (mkl_service.h maps mkl_set_num_threads_local to it; the lower-case
+  // symbol is the Fortran one, which takes a pointer).
+  static const auto mkl_set =
+      reinterpret_cast<MklSetNumThreadsLocal>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
+  if (omp_set != nullptr) omp_set(threads);
+  if (mkl_set != nullptr) mkl_set(threads);
 }
 // [docs:end KERNEL_THREADS]
 

@@ -10,24 +10,27 @@
 // with helper threads: as many threads in all as the host thread's intra-op count (at most the
 // process's cores), each calling the CPU kernel with one OpenMP thread on its blocks. Blocks are
 // taken from a shared counter, so a helper that wakes late takes fewer, and the device thread
-// waits only for blocks a helper has started. The helpers are plain threads, not OpenMP threads:
-// no second team exists. A helper that finishes spins for a short while for the next product
-// (a backward posts them back to back), then sleeps. Only products of at least kMinMacs
-// multiply-adds are split, in float32 and float64, with arguments the CPU kernel takes as they
-// are; anything else (and any product on a host thread) runs the CPU kernel unsplit.
+// waits only for blocks a helper has started. The helpers are plain threads, not OpenMP threads,
+// and run their kernels with one OpenMP thread: no second team exists. Between products they
+// sleep (spinning would take the core from the caller's OpenMP worker, which spins there after
+// each parallel region). Only products of at least kMinMacs multiply-adds are split, in float32
+// and float64, with arguments the CPU kernel takes as they are (no copy of an input, a result of
+// the CPU kernel's layout); anything else (and any product on a host thread) runs the CPU kernel
+// unsplit.
 // OPENREG_AUTOGRAD_SPLIT_MATMUL=0 turns the split off.
 // [docs:end MATMUL_SPLIT]
 #include "ops/split_matmul.h"
 
 #include "adapters/autograd.h"
+#include "ops/cpu_kernel.h"
 #include "routes/call_counter.h"
 #include "runtime/device.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
-#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -55,7 +58,6 @@ namespace {
 
 constexpr int64_t kMinMacs = int64_t{1} << 20;  // below: the handoff costs more than it saves
 constexpr int64_t kMinBlock = 16;                // rows or columns per block, at least
-constexpr auto kHelperSpin = std::chrono::microseconds(100);
 
 bool enabled_from_env() {
   const char* env = std::getenv("OPENREG_AUTOGRAD_SPLIT_MATMUL");
@@ -76,9 +78,12 @@ int process_cores() {
 
 // One product: `blocks` blocks, computed by fn(block).
 struct Job {
-  Job(std::function<void(int64_t)> fn, int64_t blocks) : fn(std::move(fn)), blocks(blocks) {}
+  Job(std::function<void(int64_t)> fn, int64_t blocks, int helpers)
+      : fn(std::move(fn)), blocks(blocks), slots(helpers) {}
   const std::function<void(int64_t)> fn;
   const int64_t blocks;
+  const at::ThreadLocalState state;  // the device thread's: dispatch keys, grad mode, profiler
+  std::atomic<int> slots;            // helpers that may still join (the host's count, less one)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex error_mutex;
@@ -104,20 +109,22 @@ struct Job {
 
 class Helpers {
  public:
-  // Runs `job` on the calling thread and up to `helpers` helper threads. False when another
-  // device thread is using the helpers (the caller then runs the kernel unsplit).
-  bool run(const std::shared_ptr<Job>& job, int helpers) {
+  // Held by the device thread for one product: false when another device thread has the
+  // helpers (the product then runs unsplit).
+  bool try_lease() {
     bool expected = false;
-    if (!busy_.compare_exchange_strong(expected, true, std::memory_order_acquire)) return false;
-    struct Release {
-      std::atomic<bool>& busy;
-      ~Release() { busy.store(false, std::memory_order_release); }
-    } release{busy_};
+    return busy_.compare_exchange_strong(expected, true, std::memory_order_acquire);
+  }
+  void end_lease() { busy_.store(false, std::memory_order_release); }
+
+  // Under a lease: runs `job` on the calling thread and on helper threads (job->slots of them
+  // join). False when no helper thread could be started.
+  bool run(const std::shared_ptr<Job>& job) {
     {
       std::lock_guard lock(mutex_);
-      start(helpers);
+      if (!start(job->slots.load())) return false;
       job_ = job;
-      generation_.fetch_add(1, std::memory_order_release);
+      ++generation_;
     }
     cv_.notify_all();
     job->work();
@@ -144,47 +151,45 @@ class Helpers {
   }
 
  private:
-  void start(int helpers) {  // under mutex_
-    while (threads_ < helpers) {
-      std::thread([this] { loop(); }).detach();
-      ++threads_;
+  bool start(int helpers) {  // under mutex_
+    try {
+      while (threads_ < helpers) {
+        // A new helper serves jobs posted after this one's generation, this job's included.
+        std::thread([this, seen = generation_] { loop(seen); }).detach();
+        ++threads_;
+      }
+    } catch (const std::system_error&) {
+      return threads_ > 0;  // the helpers there are serve, if any
     }
+    return true;
   }
 
-  void loop() {
+  void loop(uint64_t seen) {
     pthread_setname_np(pthread_self(), "openreg_matmul");
     // Started by a device thread, which may be kept on one core (adapters/autograd.cpp): the
-    // helper gets the process's cores.
+    // helper gets the process's cores. Its kernels run with one OpenMP thread, as the device
+    // thread's.
     sched_setaffinity(0, sizeof(cpu_set_t), &process_affinity());
-    // One OpenMP thread in this thread's kernels, as on the device thread.
-    using SetNumThreads = void (*)(int);
-    auto set_num_threads =
-        reinterpret_cast<SetNumThreads>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-    if (set_num_threads != nullptr) set_num_threads(1);
-    uint64_t seen = generation_.load(std::memory_order_acquire);
+    set_kernel_thread_count(1);
     for (;;) {
-      const auto until = std::chrono::steady_clock::now() + kHelperSpin;
-      while (generation_.load(std::memory_order_acquire) == seen &&
-             std::chrono::steady_clock::now() < until)
-        for (int i = 0; i < 64; ++i) OPENREG_PAUSE();
       std::shared_ptr<Job> job;
       {
         std::unique_lock lock(mutex_);
-        cv_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
-        seen = generation_.load(std::memory_order_relaxed);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
         job = job_;
       }
-      if (job != nullptr) {
-        const int64_t n = job->work();
-        if (n > 0) helper_blocks.fetch_add(n, std::memory_order_relaxed);
-      }
+      if (job == nullptr || job->slots.fetch_sub(1, std::memory_order_relaxed) <= 0) continue;
+      at::ThreadLocalStateGuard state(job->state);
+      const int64_t n = job->work();
+      if (n > 0) helper_blocks.fetch_add(n, std::memory_order_relaxed);
     }
   }
 
   std::atomic<bool> busy_{false};
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
+  uint64_t generation_ = 0;   // under mutex_
   std::shared_ptr<Job> job_;  // under mutex_
   int threads_ = 0;           // under mutex_
 };
@@ -199,8 +204,19 @@ Helpers& helpers() {
 
 // How many threads a product on this thread may use (1: not split).
 int split_threads() {
-  if (!g_enabled.load(std::memory_order_relaxed) || !is_autograd_worker_thread()) return 1;
+  if (!g_enabled.load(std::memory_order_relaxed) || g_host_threads.load(std::memory_order_relaxed) < 2)
+    return 1;
+  thread_local const bool device_thread = is_autograd_worker_thread();
+  if (!device_thread) return 1;
   return std::min(g_host_threads.load(std::memory_order_relaxed), process_cores());
+}
+
+// A matrix the CPU kernel hands to BLAS as it is: one unit stride, the other at least the
+// extent of the first (a view it would copy first is copied by every block: not split).
+bool gemm_operand(const at::Tensor& t) {
+  const int64_t r = t.dim() - 2, c = t.dim() - 1;
+  return (t.stride(c) == 1 && t.stride(r) >= std::max<int64_t>(1, t.size(c))) ||
+         (t.stride(r) == 1 && t.stride(c) >= std::max<int64_t>(1, t.size(r)));
 }
 
 bool splittable_dtype(const at::Tensor& t) {
@@ -209,13 +225,28 @@ bool splittable_dtype(const at::Tensor& t) {
          !t.is_neg();
 }
 
-// Runs block(b) for b in [0, blocks) on `threads` threads.
+// Runs block(b) for b in [0, blocks) on `threads` threads (under a lease).
 bool run_blocks(int threads, int64_t blocks, std::function<void(int64_t)> block) {
-  auto job = std::make_shared<Job>(std::move(block), blocks);
-  if (!helpers().run(job, threads - 1)) return false;
+  auto job = std::make_shared<Job>(std::move(block), blocks, threads - 1);
+  if (!helpers().run(job)) return false;
   split_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
+
+// The helpers for one product, if no other device thread has them.
+class Lease {
+ public:
+  Lease() : held_(helpers().try_lease()) {}
+  ~Lease() {
+    if (held_) helpers().end_lease();
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  explicit operator bool() const { return held_; }
+
+ private:
+  const bool held_;
+};
 
 // Blocks of [0, n): two per thread, at least kMinBlock long.
 struct Blocks {
@@ -259,15 +290,16 @@ namespace {
 
 bool mm_args(int threads, const at::Tensor& a, const at::Tensor& b) {
   return threads >= 2 && a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) &&
-         a.scalar_type() == b.scalar_type() && splittable_dtype(a) && splittable_dtype(b) &&
-         a.size(0) * a.size(1) * b.size(1) >= kMinMacs;
+         a.size(0) * a.size(1) * b.size(1) >= kMinMacs && a.scalar_type() == b.scalar_type() &&
+         splittable_dtype(a) && splittable_dtype(b) && gemm_operand(a) && gemm_operand(b);
 }
 
 bool bmm_args(int threads, const at::Tensor& a, const at::Tensor& b) {
   return threads >= 2 && a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
-         a.size(0) >= 2 && a.size(2) == b.size(1) && a.scalar_type() == b.scalar_type() &&
-         splittable_dtype(a) && splittable_dtype(b) &&
-         a.size(0) * a.size(1) * a.size(2) * b.size(2) >= kMinMacs;
+         a.size(0) >= 2 && a.size(2) == b.size(1) &&
+         a.size(0) * a.size(1) * a.size(2) * b.size(2) >= kMinMacs &&
+         a.scalar_type() == b.scalar_type() && splittable_dtype(a) && splittable_dtype(b) &&
+         gemm_operand(a) && gemm_operand(b);
 }
 
 // self broadcast to the (m, n) result, as the CPU kernel takes it; anything else is its to refuse.
@@ -324,6 +356,8 @@ bool bmm_into(int threads, const at::Tensor& a, const at::Tensor& b, const at::T
 std::optional<at::Tensor> split_mm(const at::Tensor& a, const at::Tensor& b) {
   const int threads = split_threads();
   if (!mm_args(threads, a, b)) return std::nullopt;
+  Lease lease;
+  if (!lease) return std::nullopt;
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
   if (!mm_into(threads, a, b, out)) return std::nullopt;
   return out;
@@ -334,6 +368,8 @@ std::optional<at::Tensor> split_addmm(const at::Tensor& self, const at::Tensor& 
                                       const c10::Scalar& alpha) {
   const int threads = split_threads();
   if (!mm_args(threads, a, b) || !addmm_self(self, a, a.size(0), b.size(1))) return std::nullopt;
+  Lease lease;
+  if (!lease) return std::nullopt;
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
   if (!addmm_into(threads, self, a, b, beta, alpha, out)) return std::nullopt;
   return out;
@@ -342,6 +378,8 @@ std::optional<at::Tensor> split_addmm(const at::Tensor& self, const at::Tensor& 
 std::optional<at::Tensor> split_bmm(const at::Tensor& a, const at::Tensor& b) {
   const int threads = split_threads();
   if (!bmm_args(threads, a, b)) return std::nullopt;
+  Lease lease;
+  if (!lease) return std::nullopt;
   at::Tensor out = at::empty({a.size(0), a.size(1), b.size(2)}, a.options());
   if (!bmm_into(threads, a, b, out)) return std::nullopt;
   return out;
@@ -349,23 +387,29 @@ std::optional<at::Tensor> split_bmm(const at::Tensor& a, const at::Tensor& b) {
 
 bool split_mm_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
   const int threads = split_threads();
-  return mm_args(threads, a, b) && plain_out(out, a, {a.size(0), b.size(1)}, {&a, &b}) &&
-         mm_into(threads, a, b, out);
+  if (!mm_args(threads, a, b) || !plain_out(out, a, {a.size(0), b.size(1)}, {&a, &b}))
+    return false;
+  Lease lease;
+  return lease && mm_into(threads, a, b, out);
 }
 
 bool split_addmm_out(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
                      const c10::Scalar& beta, const c10::Scalar& alpha, const at::Tensor& out) {
   const int threads = split_threads();
-  return mm_args(threads, a, b) && addmm_self(self, a, a.size(0), b.size(1)) &&
-         plain_out(out, a, {a.size(0), b.size(1)}, {&self, &a, &b}) &&
-         addmm_into(threads, self, a, b, beta, alpha, out);
+  if (!mm_args(threads, a, b) || !addmm_self(self, a, a.size(0), b.size(1)) ||
+      !plain_out(out, a, {a.size(0), b.size(1)}, {&self, &a, &b}))
+    return false;
+  Lease lease;
+  return lease && addmm_into(threads, self, a, b, beta, alpha, out);
 }
 
 bool split_bmm_out(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
   const int threads = split_threads();
-  return bmm_args(threads, a, b) &&
-         plain_out(out, a, {a.size(0), a.size(1), b.size(2)}, {&a, &b}) &&
-         bmm_into(threads, a, b, out);
+  if (!bmm_args(threads, a, b) ||
+      !plain_out(out, a, {a.size(0), a.size(1), b.size(2)}, {&a, &b}))
+    return false;
+  Lease lease;
+  return lease && bmm_into(threads, a, b, out);
 }
 
 }  // namespace openreg
