@@ -612,81 +612,20 @@ def test_device_thread_counters_count_the_kernels_of_backward_only(device):
     assert 0 < stats["busy_ns"] <= stats["last_end_ns"] - stats["first_start_ns"]
 
 
-# --- matrix products split between the device thread and helper threads ------------------------
+# --- the OpenMP team of a device thread -----------------------------------------------------------
 
 
-@pytest.fixture
-def split_threads():
-    """Two intra-op threads on the host (the products of device threads are split in two), the
-    split switched on, the default (synchronous) mode."""
-    from torch_openreg import _C
-
-    assert len(_PROCESS_AFFINITY) >= 2, "this test needs 2 cores"
-    os.sched_setaffinity(0, _PROCESS_AFFINITY)
-    before, threads = _C._autograd_split_matmul(), torch.get_num_threads()
-    _C._set_autograd_split_matmul(True)
-    torch.set_num_threads(2)
-    try:
-        with torch.openreg.set_async(False):
-            yield _C
-    finally:
-        torch.set_num_threads(threads)
-        _C._set_autograd_split_matmul(before)
-
-
-class _Products(torch.autograd.Function):
-    """Identity forward; its backward computes products of device tensors on the device thread
-    (_Products.fn(tensors) -> list of results) and keeps them."""
+class _OnDeviceThread(torch.autograd.Function):
+    """Identity forward; its backward runs _OnDeviceThread.fn() on the device thread."""
 
     @staticmethod
-    def forward(ctx, x, tensors):
-        ctx.tensors = tensors
+    def forward(ctx, x):
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _Products.results = _Products.fn(ctx.tensors)
-        return grad, None
-
-
-def _products_on_the_device_thread(device, fn, tensors):
-    """fn(tensors) run in a backward on `device`'s thread, and on the CPU: (device's, CPU's)."""
-    _Products.fn = fn
-    x = torch.ones(1, device=device, requires_grad=True)
-    _Products.apply(x, {k: t.to(device) for k, t in tensors.items()}).sum().backward()
-    return [r.cpu() for r in _Products.results], fn(tensors)
-
-
-def _rand(*shape, dtype=torch.float32, seed=0):
-    return torch.rand(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype) - 0.5
-
-
-def test_large_products_of_backward_are_split_with_helper_threads(split_threads, device):
-    # A Linear layer's backward: two products, each split in blocks between the device thread
-    # and a helper; the gradients are the CPU's.
-    _C = split_threads
-    lin = torch.nn.Linear(512, 384)
-    x = _rand(256, 512).requires_grad_()
-    lin(x).square().sum().backward()
-    want = [p.grad.clone() for p in lin.parameters()] + [x.grad]
-    lin_dev = torch.nn.Linear(512, 384).to(device)
-    lin_dev.load_state_dict(lin.state_dict())
-    x_dev = x.detach().to(device).requires_grad_()
-    calls = _C._route_calls("split.matmul")
-    lin_dev(x_dev).square().sum().backward()
-    assert _C._route_calls("split.matmul") - calls == 2  # the gradients of the weight and of x
-    for p, w in zip(list(lin_dev.parameters()) + [x_dev], want):
-        torch.testing.assert_close(p.grad.cpu(), w)
-    # The helpers compute blocks (the first may wake after the device thread took every block).
-    blocks = _C._route_calls("split.helper_blocks")
-    for _ in range(50):
-        lin_dev(x_dev).square().sum().backward()
-        if _C._route_calls("split.helper_blocks") > blocks:
-            break
-    assert _C._route_calls("split.helper_blocks") > blocks
-    helpers = _threads_named("openreg_matmul")
-    assert 1 <= len(helpers) <= len(_PROCESS_AFFINITY) - 1
-    assert all(os.sched_getaffinity(t) == _PROCESS_AFFINITY for t in helpers)
+        _OnDeviceThread.fn()
+        return grad
 
 
 def _threads_named(name):
@@ -694,117 +633,31 @@ def _threads_named(name):
             if open(f"/proc/self/task/{t}/comm").read().strip() == name]
 
 
-def test_device_threads_and_helpers_keep_one_openmp_thread(split_threads, device):
-    # ATen sets a thread's OpenMP and MKL counts at its first parallel kernel, to the count of
-    # torch.set_num_threads (the fixture called it): a device thread or a helper must keep one,
-    # or a second OpenMP team (named after the thread that starts it) would slow the process.
-    _C = split_threads
-    seen = {}
+def test_a_device_thread_keeps_one_openmp_thread_after_set_num_threads(device):
+    # ATen sets a thread's OpenMP and MKL counts at the thread's first parallel kernel, to the
+    # count of torch.set_num_threads once it was called: a device thread must keep its one thread
+    # (cpu_kernel.cpp, KERNEL_THREADS), or a second OpenMP team (its workers named after the
+    # device thread) would slow the whole process.
+    big = torch.rand(2_000_000, device=device)
+    w = torch.rand(512, 512, device=device)
+    seen = []
 
-    def products(t):
-        big = t["big"] * 2  # 2 million elements: a parallel kernel on the device thread
-        if big.device.type == "openreg":  # not the CPU's reference run, on this thread
-            seen["threads"] = torch.get_num_threads()
-        # addmm's blocks copy their part of self, a parallel kernel on each helper
-        return [big.sum(), torch.addmm(t["self"], t["a"], t["b"])]
+    def kernels():
+        seen.append(((big * 2).sum().item(), torch.get_num_threads()))  # parallel kernels
+        seen.append(((w @ w).sum().item(), torch.get_num_threads()))  # MKL's sgemm
 
-    t = {"big": _rand(2_000_000), "self": _rand(1000, 1000), "a": _rand(1000, 64),
-         "b": _rand(64, 1000)}
-    for _ in range(3):
-        got, want = _products_on_the_device_thread(device, products, t)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w)
-    assert seen["threads"] == 1
-    assert len(_threads_named(f"pt_autograd_{torch.device(device).index}")) == 1
-    assert 1 <= len(_threads_named("openreg_matmul")) <= len(_PROCESS_AFFINITY) - 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_split_products_equal_the_cpus(split_threads, dtype):
-    _C = split_threads
-    shapes = {"a": (200, 96), "b": (96, 300),  # split by columns
-              "tall": (700, 96), "narrow": (96, 40),  # by rows
-              "ba": (8, 64, 48), "bb": (8, 48, 80),  # by matrices
-              "bias": (300,), "row": (1, 300), "col": (200, 1), "full": (200, 300), "one": (1,)}
-    t = {k: _rand(*shape, dtype=dtype, seed=i) for i, (k, shape) in enumerate(shapes.items())}
-    t["nan"] = torch.full((200, 300), float("nan"), dtype=dtype)
-
-    def products(t):
-        return [
-            torch.mm(t["a"], t["b"]),
-            torch.mm(t["tall"], t["narrow"]),
-            torch.mm(t["b"].t(), t["a"].t()),  # transposed arguments
-            torch.bmm(t["ba"], t["bb"]),
-            torch.addmm(t["nan"], t["a"], t["b"], beta=0),  # beta 0: self is not read
-        ] + [torch.addmm(t[k], t["a"], t["b"], beta=0.5, alpha=-2)
-             for k in ("bias", "row", "col", "full", "one")] + [
-            # The out= forms Inductor's generated code calls.
-            torch.mm(t["a"], t["b"], out=torch.empty_like(t["full"])),
-            torch.addmm(t["bias"], t["a"], t["b"], out=torch.empty_like(t["full"])),
-            torch.bmm(t["ba"], t["bb"],
-                      out=torch.empty(8, 64, 80, dtype=dtype, device=t["ba"].device)),
-        ]
-
-    calls = _C._route_calls("split.matmul")
-    got, want = _products_on_the_device_thread("openreg:0", products, t)
-    assert _C._route_calls("split.matmul") - calls == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
-        torch.testing.assert_close(g, w)
-
-
-def test_products_are_not_split_when_they_need_not_be(split_threads):
-    _C = split_threads
-    t = {"a": _rand(200, 96), "b": _rand(96, 300)}
-    mm = lambda t: [torch.mm(t["a"], t["b"])]
-    calls = _C._route_calls("split.matmul")
-    got, want = _products_on_the_device_thread("openreg:0", lambda t: [
-        torch.mm(t["a"].double().half(), t["b"].half()),  # not float32 or float64
-        torch.mm(t["a"][:20], t["b"]),  # too small to be worth a handoff
-    ], t)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    got, want = _products_on_the_device_thread("openreg:0", lambda t: [
-        torch.mm(t["a"], t["b"], out=torch.empty(300, 200, device=t["a"].device).t()),  # strided
-        torch.mm(t["a"], t["b"], out=torch.empty(0, device=t["a"].device)),  # resized by the kernel
-        torch.addmm(t["c"], t["a"], t["sq"], out=t["c"]),  # out is an input
-    ], dict(t, c=_rand(200, 96), sq=_rand(96, 96)))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    torch.mm(t["a"].to("openreg"), t["b"].to("openreg"))  # a host thread's product: its own team
-    assert _C._route_calls("split.matmul") == calls
-    torch.set_num_threads(1)  # a host running one thread: the device thread does the same
-    _products_on_the_device_thread("openreg:0", mm, t)
-    assert _C._route_calls("split.matmul") == calls
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    _C._set_autograd_split_matmul(False)
-    _products_on_the_device_thread("openreg:0", mm, t)
-    assert _C._route_calls("split.matmul") == calls
-    _C._set_autograd_split_matmul(True)
-    _products_on_the_device_thread("openreg:0", mm, t)
-    assert _C._route_calls("split.matmul") == calls + 1
-
-
-def test_a_product_the_cpu_refuses_raises_the_cpus_error_on_the_device_thread(split_threads):
-    t = {"a": _rand(200, 96), "b": _rand(97, 300)}
-    with pytest.raises(RuntimeError) as cpu:
-        torch.mm(t["a"], t["b"])
-    with pytest.raises(RuntimeError) as dev:
-        _products_on_the_device_thread("openreg:0", lambda t: [torch.mm(t["a"], t["b"])], t)
-    assert str(cpu.value) in str(dev.value)
-
-
-def test_split_is_on_unless_the_environment_turns_it_off():
-    script = ("import torch, torch_openreg; from torch_openreg import _C; "
-              "print(_C._autograd_split_matmul())")
-    for value, want in ((None, "True"), ("0", "False"), ("1", "True")):
-        env = dict(os.environ)
-        env.pop("OPENREG_AUTOGRAD_SPLIT_MATMUL", None)
-        if value is not None:
-            env["OPENREG_AUTOGRAD_SPLIT_MATMUL"] = value
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           timeout=120, env=env)
-        assert r.returncode == 0 and r.stdout.strip() == want, (value, r.stderr[-2000:])
+    try:
+        with torch.openreg.set_async(False):
+            _OnDeviceThread.fn = kernels
+            for _ in range(2):
+                x = torch.ones(1, device=device, requires_grad=True)
+                _OnDeviceThread.apply(x).sum().backward()
+    finally:
+        torch.set_num_threads(threads)
+    assert [n for _, n in seen] == [1] * 4
+    assert len(_threads_named(f"pt_autograd_{torch.device(device).index}")) == 1
 
 
 # --- torch.autograd.Function on device tensors --------------------------------------------------

@@ -22,7 +22,6 @@
 // [docs:end EXIT_FLUSH]
 #include "adapters/autograd.h"
 
-#include "ops/split_matmul.h"
 #include "runtime/device.h"
 
 #include <ATen/ATen.h>
@@ -337,9 +336,6 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
   if (t_depth++ > 0) return;
   if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
   if (t_role == 0) {
-    // How many threads a matrix product on a device thread may use (ops/split_matmul.cpp).
-    const int threads = at::get_num_threads();
-    note_host_threads(threads);
     if (!g_follow.load(std::memory_order_relaxed)) return;
     const pid_t tid = current_tid();
     if (g_pinned_caller.load(std::memory_order_relaxed) == tid) release_pinned_caller(tid);
@@ -349,7 +345,7 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     // the next parallel region spinning on the other cores, so no core is idle, and sharing one
     // core with the device thread made backward slower (MLP step 1.19-1.25x the CPU without,
     // 1.26-1.32x with; CNN 1.03-1.15x against 1.08-1.25x, default threads on 2 cores).
-    const int cpu = threads == 1 ? sched_getcpu() : -1;
+    const int cpu = at::get_num_threads() == 1 ? sched_getcpu() : -1;
     if (cpu != t_cpu) {
       t_cpu = cpu;
       g_caller_cpu.store(cpu, std::memory_order_relaxed);

@@ -10,7 +10,6 @@
 #include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
-#include "ops/split_matmul.h"
 #include "routes/call_counter.h"
 #include "routes/unboxed.h"
 #include "routes/op_fallback.h"
@@ -173,8 +172,6 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_autograd_follow_caller", &openreg::follow_caller_enabled);
   m.def("_set_autograd_follow_caller", &openreg::set_follow_caller);
-  m.def("_autograd_split_matmul", &openreg::matmul_split_enabled);
-  m.def("_set_autograd_split_matmul", &openreg::set_matmul_split);
   m.def("_device_thread_stats", [] {
     auto s = openreg::device_thread_stats();
     py::dict d;

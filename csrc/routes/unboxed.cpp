@@ -16,7 +16,6 @@
 #include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
-#include "ops/split_matmul.h"
 #include "routes/call_counter.h"
 #include "routes/unboxed.h"
 #include "runtime/device.h"
@@ -200,65 +199,6 @@ void check_result(const at::Tensor& t, const c10::OperatorHandle& op) {
                               " returned a tensor it cannot hand back");
 }
 
-// Matrix products a device thread may compute together with helper threads
-// (ops/split_matmul.cpp, MATMUL_SPLIT); std::nullopt: the CPU kernel runs as it is.
-template <class Op>
-struct SplitProduct {
-  static constexpr bool exists = false;
-};
-template <>
-struct SplitProduct<at::_ops::mm> {
-  static constexpr bool exists = true;
-  static std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b) {
-    return split_mm(a, b);
-  }
-};
-template <>
-struct SplitProduct<at::_ops::addmm> {
-  static constexpr bool exists = true;
-  static std::optional<at::Tensor> run(const at::Tensor& self, const at::Tensor& a,
-                                       const at::Tensor& b, const c10::Scalar& beta,
-                                       const c10::Scalar& alpha) {
-    return split_addmm(self, a, b, beta, alpha);
-  }
-};
-template <>
-struct SplitProduct<at::_ops::bmm> {
-  static constexpr bool exists = true;
-  static std::optional<at::Tensor> run(const at::Tensor& a, const at::Tensor& b) {
-    return split_bmm(a, b);
-  }
-};
-// The out= forms: run() true when the product was written into out, returned by out().
-template <>
-struct SplitProduct<at::_ops::mm_out> {
-  static constexpr bool exists = true;
-  static bool run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-    return split_mm_out(a, b, out);
-  }
-  static at::Tensor& out(const at::Tensor&, const at::Tensor&, at::Tensor& out) { return out; }
-};
-template <>
-struct SplitProduct<at::_ops::addmm_out> {
-  static constexpr bool exists = true;
-  static bool run(const at::Tensor& self, const at::Tensor& a, const at::Tensor& b,
-                  const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
-    return split_addmm_out(self, a, b, beta, alpha, out);
-  }
-  static at::Tensor& out(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const c10::Scalar&, const c10::Scalar&, at::Tensor& out) {
-    return out;
-  }
-};
-template <>
-struct SplitProduct<at::_ops::bmm_out> {
-  static constexpr bool exists = true;
-  static bool run(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
-    return split_bmm_out(a, b, out);
-  }
-  static at::Tensor& out(const at::Tensor&, const at::Tensor&, at::Tensor& out) { return out; }
-};
-
 template <class Op, class Sig = typename Op::schema>
 struct UnboxedRoute;
 
@@ -364,15 +304,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
         sync();
         return;
       } else if constexpr (std::is_same_v<Ret, at::Tensor&>) {
-        at::Tensor* written;
-        if constexpr (SplitProduct<Op>::exists) {
-          written = SplitProduct<Op>::run(std::get<I>(cpu)...)
-                        ? &SplitProduct<Op>::out(std::get<I>(cpu)...)
-                        : &invoke();
-        } else {
-          written = &invoke();
-        }
-        at::Tensor& r = *written;
+        at::Tensor& r = invoke();
         sync();
         // An in-place or out= kernel returns its written argument: the device tensor itself.
         at::Tensor* found = nullptr;
@@ -381,13 +313,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
                               " returned a tensor that is not its written argument");
         return *found;
       } else if constexpr (std::is_same_v<Ret, at::Tensor>) {
-        at::Tensor r;
-        if constexpr (SplitProduct<Op>::exists) {
-          std::optional<at::Tensor> split = SplitProduct<Op>::run(std::get<I>(cpu)...);
-          r = split.has_value() ? std::move(*split) : invoke();
-        } else {
-          r = invoke();
-        }
+        at::Tensor r = invoke();
         sync();
         if (r.defined() && r.is_cpu()) {
           check_result(r, op());
