@@ -200,6 +200,27 @@ def test_work_on_another_stream_runs_while_one_is_held(asynchronous):
 
 # ---------------------------------------------------------------- asynchronous errors
 
+def test_a_stream_worker_runs_its_kernels_with_one_openmp_thread(asynchronous):
+    # A queued kernel runs on the stream's worker thread; with an OpenMP team of its own the
+    # process would have two teams, which slows every team (docs/async_mode.md). The team's
+    # workers would be named after the worker thread.
+    def workers():
+        return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "openreg_stream"
+                   for t in os.listdir("/proc/self/task"))
+
+    big = torch.rand(2_000_000)
+    x, tiny = big.to("openreg"), torch.ones(4, device="openreg")
+    warm_up(lambda: x * 2, lambda: tiny * 2)  # run at the call (a first signature)
+    tiny * 2  # queued: the stream's worker exists, without a team (4 elements)
+    torch.openreg.synchronize()
+    before = workers()
+    assert before >= 1
+    for _ in range(3):
+        y = x * 2  # queued: a parallel CPU kernel on the worker
+    torch.testing.assert_close(y.sum().cpu(), (big * 2).sum())
+    assert workers() == before
+
+
 def test_error_of_a_queued_kernel_surfaces_at_the_next_synchronization(asynchronous):
     x = torch.ones(3, device="openreg")
     index = torch.tensor([0, 7], device="openreg")

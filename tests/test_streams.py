@@ -494,6 +494,9 @@ def test_stream_without_index_is_on_the_current_device(make):
         assert s.device.type == "openreg"
         assert s.device_index == 1 and s.stream_id != 0
         x = torch.ones(4, device="openreg:1")
+        # x is made on the current stream: s must wait for it (with OPENREG_ASYNC=1 the fill may
+        # still be queued there).
+        s.wait_stream(torch.accelerator.current_stream())
         with s:
             y = x + 1
         s.synchronize()
