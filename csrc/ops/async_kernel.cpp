@@ -185,15 +185,10 @@ void queue(Stream* s, ActivityKind kind, size_t bytes, std::function<void()> wor
   const int device = stream_device(s);
   const int64_t id = stream_id(s);
   stream_enqueue_kernel(s, [work = std::move(work), issuer, kind, bytes, device, id] {
-    // A stream's worker runs its kernels with one OpenMP thread, as the autograd device threads
-    // do (cpu_kernel.cpp, KERNEL_THREADS): with a team of its own, the process would have two,
-    // and libgomp shortens every team's spinning (the CPU's own MLP step in the same process
-    // took 2.0-2.4 ms instead of 1.0-1.7).
-    thread_local bool configured = false;
-    if (!configured) {
-      configured = true;
-      set_kernel_thread_count(1);
-    }
+    // One OpenMP thread on the stream's worker (cpu_kernel.cpp, KERNEL_THREADS): with a team of
+    // its own, the process would have two, and libgomp shortens every team's spinning (the CPU's
+    // own MLP step in the same process took 2.0-2.4 ms instead of 1.0-1.7).
+    configure_kernel_thread();
     const int64_t start = issuer.start_ns != 0 ? activity_clock_ns() : 0;
     work();
     if (start != 0)

@@ -532,7 +532,7 @@ int HostKernel::new_memo_site() { return g_memo_sites.fetch_add(1); }
 
 HostKernel::Session* HostKernel::acquire_session(int memo_site, AliasMemo*& memo) {
   KernelThread& k = t_kernel;
-  if (!k.configured) {
+  if (!k.configured) {  // a field of the thread's state: no call per kernel once configured
     k.configured = true;
     configure_kernel_thread();
   }
@@ -838,24 +838,9 @@ at::Tensor HostKernel::result(at::Tensor&& cpu) {
 // [docs:end HOST_KERNEL_RESULT]
 
 // [docs:start KERNEL_THREADS]
-// Backward on openreg runs on the autograd engine's worker thread for the device (named
-// "pt_autograd_<device>"), as on CUDA; forward and the optimizer run on the caller's thread. Each
-// thread that runs a parallel CPU kernel gets its own OpenMP team, and an OpenMP worker spins
-// for a while after each parallel region before it sleeps. With two teams in one training step,
-// each phase competes with the other team's spinning workers: measured on 2 cores, the MLP step
-// went from 1.8 ms to 3.4 ms and every phase slowed down, not only backward (DESIGN.md pitfall
-// 1). So kernels on the autograd threads run with one OpenMP thread: no second team exists.
-// (Giving large kernels the full team was measured too: it sped up the CNN's convolution
-// backward, but the second team's spinning then slowed the rest of the process 2x.)
-// OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting.
-void configure_kernel_thread() {
-  if (!is_autograd_worker_thread()) return;
-  int threads = 1;
-  if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
-  if (threads <= 0) return;
-  set_kernel_thread_count(threads);
-}
-
+namespace {
+// This thread's OpenMP and MKL thread counts (not the process's), kept when ATen sets up the
+// thread's counts at its first parallel kernel.
 void set_kernel_thread_count(int threads) {
   // ATen sets up each thread's counts at the thread's first parallel kernel: to the count of
   // torch.set_num_threads, if it was called, for OpenMP and for MKL. Done first here, so that it
@@ -874,6 +859,34 @@ void set_kernel_thread_count(int threads) {
       reinterpret_cast<MklSetNumThreadsLocal>(dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local"));
   if (omp_set != nullptr) omp_set(threads);
   if (mkl_set != nullptr) mkl_set(threads);
+}
+}  // namespace
+
+// Backward on openreg runs on the autograd engine's worker thread for the device (named
+// "pt_autograd_<device>"), as on CUDA; forward and the optimizer run on the caller's thread. Each
+// thread that runs a parallel CPU kernel gets its own OpenMP team, and an OpenMP worker spins
+// for a while after each parallel region before it sleeps. With two teams in one training step,
+// each phase competes with the other team's spinning workers: measured on 2 cores, the MLP step
+// went from 1.8 ms to 3.4 ms and every phase slowed down, not only backward (DESIGN.md pitfall
+// 1). So kernels on the autograd threads run with one OpenMP thread: no second team exists.
+// (Giving large kernels the full team was measured too: it sped up the CNN's convolution
+// backward, but the second team's spinning then slowed the rest of the process 2x.)
+// OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting. A stream's
+// worker thread (asynchronous mode, docs/async_mode.md) runs its kernels with one OpenMP thread
+// for the same reason.
+void configure_kernel_thread() {
+  thread_local bool configured = false;
+  if (configured) return;
+  configured = true;
+  if (on_stream_worker()) {
+    set_kernel_thread_count(1);
+    return;
+  }
+  if (!is_autograd_worker_thread()) return;
+  int threads = 1;
+  if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
+  if (threads <= 0) return;
+  set_kernel_thread_count(threads);
 }
 // [docs:end KERNEL_THREADS]
 

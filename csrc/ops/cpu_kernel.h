@@ -20,12 +20,9 @@
 
 namespace openreg {
 
-// Called once per thread, before its first kernel: OpenMP threads of kernels on the autograd
-// worker threads (cpu_kernel.cpp, KERNEL_THREADS).
+// Called before a thread's kernels (does its work once per thread): OpenMP threads of kernels on
+// the autograd worker threads and the stream workers (cpu_kernel.cpp, KERNEL_THREADS).
 void configure_kernel_thread();
-// This thread's OpenMP and MKL thread counts (not the process's), kept when ATen sets up the
-// thread's counts at its first parallel kernel.
-void set_kernel_thread_count(int threads);
 
 class HostKernel {
  public:

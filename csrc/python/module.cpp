@@ -49,11 +49,7 @@ thread_local std::vector<std::unique_ptr<HeldLaunch>> t_launches;
 struct KernelLaunch {
   int device;
   void enter() {
-    thread_local bool configured = false;
-    if (!configured) {
-      configured = true;
-      openreg::configure_kernel_thread();
-    }
+    openreg::configure_kernel_thread();
     openreg::Stream* s = openreg::current_stream(device);
     py::gil_scoped_release no_gil;  // waiting for the stream must not block other threads
     t_launches.push_back(std::make_unique<HeldLaunch>(s));
