@@ -99,6 +99,19 @@ def _raw_stream(device: int) -> int:
     return torch.openreg.current_stream(device).stream_id
 
 
+@functools.lru_cache(None)
+def _cache_system_info() -> dict[str, object]:
+    import hashlib
+
+    from torch_openreg import openreg
+
+    with open(__file__, "rb") as f:
+        codegen = hashlib.sha256(f.read()).hexdigest()
+    props = openreg.get_device_properties(0)
+    return {"openreg_codegen": codegen, "name": props.name,
+            "capability": [props.major, props.minor]}
+
+
 def _register_dynamo(device_interface: Any) -> None:
     from torch_openreg import openreg
 
@@ -156,6 +169,17 @@ def _register_dynamo(device_interface: Any) -> None:
         @staticmethod
         def is_triton_capable(device: Any = None) -> bool:
             return False  # generated code for openreg is C++ (Inductor's CPU codegen)
+
+        # Asked from torch 2.15 on (unused before; docs/torch_releases.md):
+        @staticmethod
+        def is_gpu() -> bool:
+            return False  # not GPU-class: Inductor's CPU (C++) code generation and scheduling
+
+        @classmethod
+        def get_cache_system_info(cls) -> dict[str, object]:
+            """Part of the key of Inductor's code cache: what the generated code depends on
+            beyond torch itself, i.e. this module's code generation and the device's kind."""
+            return _cache_system_info()
 
     device_interface.register_interface_for_device("openreg", OpenRegInterface)
     for i in range(openreg.device_count()):
