@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -93,6 +94,35 @@ def test_a_crash_and_a_hang_are_reported_and_the_rest_still_run():
     assert skipped is not None and "died during this check" in skipped.get("message")
     assert all(len(cases[n]) == 0 for n in ("accelerator", "serialization"))  # passed
     assert (suite.get("failures"), suite.get("skipped")) == ("1", "1")
+
+
+def test_a_missing_set_is_named_where_torch_load_and_storages_need_it():
+    proc = run_check("--import", "openreg_noset", "--format", "json", "--only", "serialization",
+                     "--only", "storage", "--only", "minimal_ops", "--only", "copies")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    _, by_name = results_of(proc)
+    load = by_name["serialization"]
+    assert load["status"] == "fail" and load["missing"] == ["set_.source_Storage_storage_offset"]
+    assert "torch.load rebuilds every tensor with set_" in load["detail"]
+    assert "set_.source_Storage_storage_offset" in load["fix"]
+    storage = by_name["storage"]
+    assert storage["status"] == "fail" and storage["missing"] == ["set_.source_Storage"]
+    assert "set_.source_Storage" in storage["fix"]
+    assert "set_ (NotImplementedError)" in by_name["minimal_ops"]["detail"]
+    assert by_name["copies"]["status"] == "pass"
+
+
+def test_a_failing_opinfo_operator_names_its_sample_tolerance_and_difference():
+    proc = run_check("--import", "openreg_inexact", "--format", "json", "--only", "opinfo_sample")
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # optional
+    _, by_name = results_of(proc)
+    r = by_name["opinfo_sample"]
+    assert r["status"] == "fail" and r["missing"] == ["exp"], r
+    detail = r["detail"]
+    assert re.search(r"exp sample 0 \(float32\[[0-9, ]*\]\): largest difference ([0-9.e+-]+) "
+                     r"\(at tolerance rtol=1.3e-06, atol=1e-05\)", detail), detail
+    largest = float(re.search(r"largest difference ([0-9.e+-]+)", detail).group(1))
+    assert 1e-4 < largest < 1.0  # 0.1% of exp of a sample value
 
 
 def test_optional_failures_keep_the_exit_code_zero():
