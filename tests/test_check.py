@@ -150,3 +150,40 @@ def test_every_check_is_documented_and_links_an_existing_guide():
     for c in CHECKS:
         assert f"| `{c.name}` |" in page, f"{c.name} is missing from docs/contract_check.md"
         assert (ROOT / "docs" / c.guide).exists(), f"{c.name} links docs/{c.guide}"
+
+
+def entry_points(text):
+    """The code names in a text: qualified (`c10::SetAllocator`, `torch.Stream`), snake_case,
+    camelCase or MACRO_CASE words, the way fix texts name what to implement."""
+    names = re.findall(r"[A-Za-z_]\w*(?:(?:::|\.)[A-Za-z_]\w*)*", text)
+    return [n for n in names if re.search(r"::|\.|_|[a-z][A-Z]", n)]
+
+
+def documents(page, name):
+    """The page names it: in full, or (for a qualified name) by its last component."""
+    last = re.split(r"::|\.", name)[-1]
+    return any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", page) for n in (name, last))
+
+
+def test_each_fix_text_names_only_entry_points_its_guide_documents():
+    """A fix text sends the reader to its page (`see docs/<page>`): every function, class, macro
+    or operator it names must be on that page."""
+    undocumented = {}
+    for c in CHECKS:
+        page = (ROOT / "docs" / c.guide).read_text()
+        names = entry_points(c.fix)
+        assert names, c.name
+        missing = [n for n in names if not documents(page, n)]
+        if missing:
+            undocumented[f"{c.name} -> docs/{c.guide}"] = missing
+    assert not undocumented, undocumented
+
+
+def test_the_fix_text_test_can_fail():
+    assert entry_points("register it with c10::SetAllocator(PrivateUse1) and getNewStream") == \
+        ["c10::SetAllocator", "PrivateUse1", "getNewStream"]
+    assert documents("`c10::SetAllocator(...)`", "c10::SetAllocator")
+    assert documents("call SetAllocator once", "c10::SetAllocator")
+    assert not documents("getDeviceStats", "getDevice")
+    assert not documents("x_is_available", "is_available")
+    assert not documents("REGISTER_ALLOCATOR", "c10::SetAllocator")
