@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_behaviour
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT = 150  # seconds for one spawned job, startup included
 
@@ -354,7 +356,8 @@ def test_no_backend_name(device_id):
     # the group's default backend: occl ("custom", as with "occl"), or none named (as with
     # "cpu:gloo,openreg:occl" spelled out)
     if device_id:
-        assert results[0][1] == ("cpu:gloo,openreg:occl", "undefined")
+        assert results[0][1] == ("cpu:gloo,openreg:occl",
+                                 torch_behaviour.MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID)
     else:
         assert results[0][1] == ("undefined", "custom")
 
@@ -454,7 +457,7 @@ def _check_split(rank, world):
     assert sub.bound_device_id == dev
     # the ranks left out take part in the split and get no group
     three = dist.split_group(split_ranks=[[1, 2, 3]])
-    assert (three is None) == (rank == 0)
+    assert (three == torch_behaviour.NOT_IN_SPLIT) == (rank == 0)
     # split of a split: ranks of the parent group (0, 1, 2 of [1, 2, 3])
     again = dist.split_group(parent_pg=three, split_ranks=[[0, 1, 2]]) if rank else None
     if rank:

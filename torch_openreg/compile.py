@@ -486,10 +486,27 @@ def _source_hash() -> str:
 
 
 # [docs:start INSTALL]
+# [docs:start STREAM_CONTEXT_EAGER]
+def _stream_context_runs_eagerly(decorators: Any) -> None:
+    """``with torch.openreg.stream(s):`` inside a compiled function runs as it does in eager mode.
+
+    From torch 2.15 on, Dynamo traces ``torch.accelerator.set_stream`` as a symbolic change of
+    stream and drops it from a graph that holds no operator, so the restoring half of the context
+    (``__exit__``, graph-broken by the device switch that follows) was lost and the side stream
+    stayed current after the call. Both halves are calls Dynamo must not trace: it breaks the
+    graph there and runs them as written, as torch 2.13 and 2.14 did by themselves."""
+    from torch_openreg.openreg.streams import StreamContext
+
+    for name in ("__enter__", "__exit__"):
+        setattr(StreamContext, name, decorators.disable(getattr(StreamContext, name)))
+# [docs:end STREAM_CONTEXT_EAGER]
+
+
 def install() -> None:
     """Called by ``import torch_openreg``: each registration runs when torch imports the module it
     extends (at once if it is already imported)."""
     _after_import.watch("torch._dynamo.device_interface", _register_dynamo)
+    _after_import.watch("torch._dynamo.decorators", _stream_context_runs_eagerly)
     _after_import.watch("torch._dynamo.backends.registry", _register_dynamo_backend)
     for name in _INDUCTOR_MODULES:
         _after_import.watch(name, _inductor_module_loaded)

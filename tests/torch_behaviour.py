@@ -1,0 +1,18 @@
+"""What the tests expect of torch where torch itself behaves differently between the supported
+releases (2.13 to 2.15): one entry per difference, named after what differs, with the releases.
+openreg behaves as the installed torch asks in each case; only the expectation moves.
+The package's own differences live with their mechanism (docs/torch_releases.md lists both)."""
+import torch
+
+from torch_openreg import _native_build
+
+RELEASE = _native_build.release(torch.__version__)
+
+# torch 2.15 picks the default backend of a group made with `device_id` and a backend string of
+# several devices ("cpu:gloo,openreg:occl") from the device's backend (occl: "custom"), so that
+# barrier() runs on the device; 2.13 and 2.14 leave it unnamed ("undefined").
+MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID = "custom" if RELEASE >= (2, 15) else "undefined"
+
+# dist.split_group gives the ranks left out of every split no group: None up to torch 2.14,
+# GroupMember.NON_GROUP_MEMBER from 2.15.
+NOT_IN_SPLIT = (torch.distributed.GroupMember.NON_GROUP_MEMBER if RELEASE >= (2, 15) else None)
