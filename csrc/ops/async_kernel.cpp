@@ -189,7 +189,14 @@ void queue(Stream* s, ActivityKind kind, size_t bytes, std::function<void()> wor
   // run on that thread in the default mode (cpu_kernel.cpp, KERNEL_THREADS): the count is part of
   // the result, so a signature's first call (run synchronously, on the caller) and its queued
   // calls give the same bits (docs/determinism.md).
-  const int threads = kernel_thread_count();
+  // OPENREG_ASYNC_OMP_THREADS=<n> gives every queued kernel n threads instead: faster where the
+  // program also runs its own CPU work (one OpenMP team in the process, not two), at the price of
+  // results that differ in the last bits from the default mode's (docs/determinism.md).
+  static const int forced = [] {
+    const char* env = std::getenv("OPENREG_ASYNC_OMP_THREADS");
+    return env != nullptr ? std::atoi(env) : 0;
+  }();
+  const int threads = forced > 0 ? forced : kernel_thread_count();
   stream_enqueue_kernel(s, [work = std::move(work), issuer, kind, bytes, device, id, threads] {
     use_kernel_thread_count(threads);
     // [docs:end ASYNC_THREADS]
