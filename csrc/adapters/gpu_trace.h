@@ -21,18 +21,6 @@ namespace openreg::gpu_trace {
 // Set by torch_openreg.sanitizer.enable()/disable() (_C._set_gpu_trace).
 extern std::atomic<bool> g_enabled;
 
-// While a hook runs, a Python exception the calling thread is raising (a tensor freed as the
-// exception unwinds: a failing operator's temporaries) is set aside and restored after: torch's
-// hook calls into Python, which must not see it (it turned the operator's RuntimeError into a
-// SystemError under the sanitizer, found by tools/fuzz.py --modes).
-struct KeepPythonError {
-  KeepPythonError();
-  ~KeepPythonError();
-  KeepPythonError(const KeepPythonError&) = delete;
-  KeepPythonError& operator=(const KeepPythonError&) = delete;
-  void* saved[3] = {nullptr, nullptr, nullptr};
-};
-
 // [docs:start GPU_TRACE_HOOKS]
 inline const c10::impl::PyInterpreter* active() {
   if (!g_enabled.load(std::memory_order_relaxed)) return nullptr;
@@ -49,46 +37,28 @@ inline uintptr_t stream_handle(int device, int64_t id) {
 constexpr auto kType = c10::DeviceType::PrivateUse1;
 
 inline void memory_allocation(const void* ptr) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
-    (*t)->trace_gpu_memory_allocation(kType, uintptr_t(ptr));
-  }
+  if (auto* t = active()) (*t)->trace_gpu_memory_allocation(kType, uintptr_t(ptr));
 }
 inline void memory_deallocation(const void* ptr) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
-    (*t)->trace_gpu_memory_deallocation(kType, uintptr_t(ptr));
-  }
+  if (auto* t = active()) (*t)->trace_gpu_memory_deallocation(kType, uintptr_t(ptr));
 }
 inline void event_record(const void* event, int device, int64_t stream) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
+  if (auto* t = active())
     (*t)->trace_gpu_event_record(kType, uintptr_t(event), stream_handle(device, stream));
-  }
 }
 inline void event_wait(const void* event, int device, int64_t stream) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
+  if (auto* t = active())
     (*t)->trace_gpu_event_wait(kType, uintptr_t(event), stream_handle(device, stream));
-  }
 }
 inline void event_synchronization(const void* event) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
-    (*t)->trace_gpu_event_synchronization(kType, uintptr_t(event));
-  }
+  if (auto* t = active()) (*t)->trace_gpu_event_synchronization(kType, uintptr_t(event));
 }
 inline void event_deletion(const void* event) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
-    (*t)->trace_gpu_event_deletion(kType, uintptr_t(event));
-  }
+  if (auto* t = active()) (*t)->trace_gpu_event_deletion(kType, uintptr_t(event));
 }
 inline void stream_synchronization(int device, int64_t stream) {
-  if (auto* t = active()) {
-    KeepPythonError keep;
+  if (auto* t = active())
     (*t)->trace_gpu_stream_synchronization(kType, stream_handle(device, stream));
-  }
 }
 // The host waited for every stream of `device` (torch's device hook carries no device index).
 void device_synchronization(int device);
