@@ -30,7 +30,8 @@ OpenRegTestBase.set_test_configs(test_exclusions=exclusion_config())
 
 # With openreg registered before common_device_type was imported (autoload), PrivateUse1TestBase
 # is already one of the device test bases: this class replaces it, or every test would be
-# generated twice for openreg under one class name (docs/test_suites.md, the catalogue).
+# generated twice for openreg, in two classes, once without these exclusions (docs/test_suites.md,
+# the catalogue).
 while PrivateUse1TestBase in device_type_test_bases:  # noqa: F821
     device_type_test_bases.remove(PrivateUse1TestBase)  # noqa: F821
 
