@@ -196,11 +196,13 @@ def test_cli(tmp_path, capsys, monkeypatch):
 # so that the test base's exclusions apply to it: the excluded test expects CUDA's behaviour.
 GENERIC = '''
 import torch
-from torch.testing._internal.common_device_type import dtypes, instantiate_device_type_tests
+from torch.testing._internal.common_device_type import (dtypes, instantiate_device_type_tests,
+                                                        onlyNativeDeviceTypes)
 from torch.testing._internal.common_utils import TestCase, run_tests
 
 
 class TestBinaryUfuncs(TestCase):
+    @onlyNativeDeviceTypes  # as PyTorch's: openreg, autoloaded, is one of NATIVE_DEVICES
     @dtypes(torch.int64, torch.uint8)
     def test_fmod_remainder_by_zero_integral(self, device, dtype):
         x = torch.arange(1, 7, device=device, dtype=dtype)
