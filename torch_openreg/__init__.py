@@ -79,3 +79,10 @@ _sanitizer._enable_from_environment()
 from torch_openreg import async_mode as _async_mode  # noqa: E402
 
 _async_mode._enable_from_environment()
+
+# A test suite pointed at openreg (TRANSFORMERS_TEST_*, DIFFUSERS_TEST_*, TORCH_TEST_DEVICES) in a
+# way that would not test openreg fails here, before the suite reads its variables: at
+# `import torch`, naming the variable and the fix (docs/test_suites.md).
+from torch_openreg import testing as _testing  # noqa: E402
+
+_testing._check_suite_environment()
