@@ -8,11 +8,11 @@ from torch_openreg import _native_build
 
 RELEASE = _native_build.release(torch.__version__)
 
-# torch 2.15 picks the default backend of a group made with `device_id` and a backend string of
-# several devices ("cpu:gloo,openreg:occl") from the device's backend (occl: "custom"), so that
-# barrier() runs on the device; 2.13 and 2.14 leave it unnamed ("undefined").
-MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID = "custom" if RELEASE >= (2, 15) else "undefined"
+# From torch 2.14 on, the default backend of a group made with `device_id` and a backend string of
+# several devices ("cpu:gloo,openreg:occl") is the device's backend (occl: "custom"), so that
+# barrier() runs on the device; 2.13 leaves it unnamed ("undefined").
+MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID = "custom" if RELEASE >= (2, 14) else "undefined"
 
-# dist.split_group gives the ranks left out of every split no group: None up to torch 2.14,
-# GroupMember.NON_GROUP_MEMBER from 2.15.
-NOT_IN_SPLIT = (torch.distributed.GroupMember.NON_GROUP_MEMBER if RELEASE >= (2, 15) else None)
+# dist.split_group gives the ranks left out of every split no group: None in torch 2.13,
+# GroupMember.NON_GROUP_MEMBER from 2.14 on.
+NOT_IN_SPLIT = (torch.distributed.GroupMember.NON_GROUP_MEMBER if RELEASE >= (2, 14) else None)
