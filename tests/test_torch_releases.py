@@ -86,3 +86,30 @@ def test_import_torch_with_a_stale_build_says_rebuild_not_undefined_symbol(tmp_p
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "2.0"
+
+
+def test_accelerator_random_gives_the_openreg_generators_seed_and_state():
+    """torch 2.14's torch.accelerator.random reads the device's default generator through the
+    PrivateUse1 hooks: the same seed and state as torch.openreg's, per device."""
+    import torch_behaviour
+
+    if not torch_behaviour.HAS_ACCELERATOR_RANDOM:
+        assert not hasattr(torch.accelerator, "random")
+        return
+    from torch.accelerator import random as acc_random
+
+    torch.openreg.manual_seed_all(1234)
+    torch.openreg.manual_seed(77)  # the current device only
+    assert acc_random.initial_seed() == torch.openreg.initial_seed() == 77
+    torch.rand(5, device="openreg:1")  # moves device 1's state on
+    for i in range(torch.openreg.device_count()):
+        assert torch.equal(acc_random.get_rng_state(i), torch.openreg.get_rng_state(i))
+        assert torch.equal(acc_random.get_rng_state(f"openreg:{i}"),
+                           torch.openreg.get_rng_state(i))
+    states = acc_random.get_rng_state_all()
+    assert len(states) == torch.openreg.device_count()
+    assert not torch.equal(states[0], states[1])
+    # the state read through torch.accelerator restores the device's stream of numbers
+    first = torch.rand(3, device="openreg:1").cpu()
+    torch.openreg.set_rng_state(states[1], 1)
+    assert torch.equal(torch.rand(3, device="openreg:1").cpu(), first)

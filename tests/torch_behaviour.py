@@ -16,3 +16,6 @@ MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID = "custom" if RELEASE >= (2, 14) else
 # dist.split_group gives the ranks left out of every split no group: None in torch 2.13,
 # GroupMember.NON_GROUP_MEMBER from 2.14 on.
 NOT_IN_SPLIT = (torch.distributed.GroupMember.NON_GROUP_MEMBER if RELEASE >= (2, 14) else None)
+
+# torch.accelerator.random (initial_seed, get_rng_state, get_rng_state_all) is new in torch 2.14.
+HAS_ACCELERATOR_RANDOM = RELEASE >= (2, 14)

@@ -494,7 +494,6 @@ def _source_hash() -> str:
 
 
 # [docs:start INSTALL]
-# [docs:start STREAM_CONTEXT_EAGER]
 def _stream_context_runs_eagerly(decorators: Any) -> None:
     """``with torch.openreg.stream(s):`` inside a compiled function runs as it does in eager mode.
 
@@ -507,7 +506,6 @@ def _stream_context_runs_eagerly(decorators: Any) -> None:
 
     for name in ("__enter__", "__exit__"):
         setattr(StreamContext, name, decorators.disable(getattr(StreamContext, name)))
-# [docs:end STREAM_CONTEXT_EAGER]
 
 
 def install() -> None:
