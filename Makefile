@@ -30,10 +30,12 @@ NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 MODES ?= default async
 
 .PHONY: demo test suite docs bench fuzz install clean
+# The venvs are kept, not removed as intermediate files of the pattern rules.
+.PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
 # A phony prerequisite would rebuild every time: the venv and the build are files per release.
 .venv/torch-%/bin/python:
-	@test -n "$(PACKAGES_$*)" || { echo "torch $* is not a supported release: $(RELEASES)"; exit 2; }
+	@test -n '$(PACKAGES_$*)' || { echo "torch $* is not a supported release: $(RELEASES)"; exit 2; }
 	python3 -m venv .venv/torch-$*
 	.venv/torch-$*/bin/python -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
 	.venv/torch-$*/bin/python -m pip install $(PACKAGES_$*) $(TEST_TOOLS) $(DOCS_TOOLS)
