@@ -57,6 +57,8 @@ suite: install
 	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; else env=; fi; \
 	  env $$env $(PY) -m pytest -q tests || exit 1; \
 	done
+	@# the contract check of examples/minimal_backend, as tests/test_minimal_backend.py ran it
+	@cat build/minimal_backend/contract_check-torch-$$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import torch; print(torch.__version__)" 2>/dev/null).txt 2>/dev/null || true
 
 ifeq ($(origin TORCH),command line)
 test: suite
