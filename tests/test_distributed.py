@@ -455,6 +455,13 @@ def _check_split(rank, world):
     mine = halves[0] if rank in halves[0] else halves[1]
     reduce_in(sub, mine)
     assert sub.bound_device_id == dev
+    def partial_group():
+        pair = dist.new_group([0, 1])  # ranks 2, 3: perform_nocolor_split on occl
+        if rank < 2:
+            reduce_in(pair, [0, 1])
+
+    if torch_behaviour.PARTIAL_GROUP_BEFORE_SPLITS:
+        partial_group()
     # the ranks left out take part in the split and get no group
     three = dist.split_group(split_ranks=[[1, 2, 3]])
     assert (three == torch_behaviour.NOT_IN_SPLIT) == (rank == 0)
@@ -463,9 +470,8 @@ def _check_split(rank, world):
     if rank:
         reduce_in(three, [1, 2, 3])
         reduce_in(again, [1, 2, 3])
-    pair = dist.new_group([0, 1])  # ranks 2, 3: perform_nocolor_split on occl
-    if rank < 2:
-        reduce_in(pair, [0, 1])
+    if not torch_behaviour.PARTIAL_GROUP_BEFORE_SPLITS:
+        partial_group()
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     dt = distribute_tensor(t.to(dev), mesh, [Shard(0), Shard(1)])
     assert torch.equal(dt.redistribute(mesh, [Replicate(), Replicate()]).to_local().cpu(), t)

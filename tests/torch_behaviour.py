@@ -19,3 +19,11 @@ NOT_IN_SPLIT = (torch.distributed.GroupMember.NON_GROUP_MEMBER if RELEASE >= (2,
 
 # torch.accelerator.random (initial_seed, get_rng_state, get_rng_state_all) is new in torch 2.14.
 HAS_ACCELERATOR_RANDOM = RELEASE >= (2, 14)
+
+# Where a group that leaves ranks out (new_group([0, 1]) of 4, made by perform_nocolor_split on a
+# device-bound group) may come among dist.split_group calls without gloo's peers missing each
+# other in the store: torch 2.13 names split groups after their ranks and the number of groups
+# the rank knows, so such a group must come after the splits; from 2.14 on, a split made after
+# ranks were left out of another split must come after it instead (both orders hang until the
+# timeout on the other releases; measured on 2.13 and 2.15, 2026-11-28).
+PARTIAL_GROUP_BEFORE_SPLITS = RELEASE >= (2, 14)
