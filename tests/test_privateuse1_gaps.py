@@ -170,3 +170,30 @@ def test_transformers_spec_cannot_name_synchronize_or_memory_functions(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["openreg", "0", "True", "None", "None"], (
         CLOSED + f"transformers now reads more from a spec: {r.stdout}")
+
+
+# [docs:start GAP_REDUCE_OVERHEAD]
+def test_reduce_overhead_cudagraphs_are_cuda_only():
+    """torch.compile(mode="reduce-overhead") wraps the compiled graph in cudagraph trees only when
+    all its nodes are on one device of a type Inductor lists: "cuda" (torch 2.13 and 2.14 compare
+    with the literal; 2.15 keeps the list in _CUDAGRAPH_SUPPORTED_DEVICE_TYPES). Any other device is
+    skipped like a mix of devices, and silently where the device is not a GPU to Dynamo."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_utils
+
+    node = next(iter(torch.fx.symbolic_trace(lambda x: x + 1).graph.nodes))
+    reason = cudagraph_utils.check_multiple_devices_or_any_cpu_nodes({torch.device("openreg", 0): node})
+    assert reason is not None, CLOSED + "Inductor accepts cudagraphs on openreg"
+    assert reason == "skipping cudagraphs due to multiple devices: device(type='openreg', index=0)"
+    assert cudagraph_utils.check_multiple_devices_or_any_cpu_nodes(
+        {torch.device("cuda", 0): node}) is None  # the one device type it takes
+    # What a user sees: the compiled function runs, without a graph and without a word (the skip is
+    # logged only for GPU devices), and only Inductor's counter records it.
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: (x * 2 + 1).sum(), mode="reduce-overhead")
+    x = torch.arange(8.0, device="openreg")
+    assert f(x).item() == f(x).item() == 64.0
+    assert counters["inductor"]["cudagraph_skips"] == 1, CLOSED + dict(counters["inductor"]).__repr__()
+    torch._dynamo.reset()
+# [docs:end GAP_REDUCE_OVERHEAD]

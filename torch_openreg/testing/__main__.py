@@ -27,7 +27,9 @@ def main(argv=None) -> int:
     if args.command == "exclusions":
         for cls, methods in testing.TEST_EXCLUSIONS.items():
             for method, reason in methods.items():
-                print(f"{cls}.{method}: {reason}")
+                dtypes = testing.TEST_EXCLUSION_DTYPES.get(cls, {}).get(method)
+                only = f" [{', '.join(str(d) for d in dtypes)}]" if dtypes else ""
+                print(f"{cls}.{method}{only}: {reason}")
         return 0
     if args.suite == "pytorch":
         print(testing.spec_value("pytorch"))
