@@ -460,6 +460,39 @@ def test_a_compiled_function_is_checked_operator_by_operator(sanitize):
 
 
 
+# ---------------------------------------------------------------- expanded arguments
+
+# Expanded (stride 0) indices, sources and destinations of in-place operators, the issue's
+# statement written correctly among them: the sanitizer takes each argument's whole allocation
+# and lets the operator give the CPU's result, or the CPU's error.
+EXPANDED_IN_PLACE = {
+    "scatter_add_": lambda D: torch.ones(2, 2, 5, 8, dtype=torch.float16, device=D).scatter_add_(
+        0, torch.tensor([1, 1, 1, 1], device=D).view(-1, 1, 1, 1).expand(-1, 2, 5, 8),
+        torch.ones(1, 2, 5, 8, dtype=torch.float16, device=D).expand(4, 2, 5, 8)),
+    "scatter_": lambda D: torch.zeros(3, 4, device=D).scatter_(
+        1, torch.tensor([[2], [0]], device=D).expand(2, 4), 5.0),
+    "index_put_": lambda D: torch.zeros(5, 3, device=D).index_put_(
+        (torch.tensor([1], device=D).expand(4),), torch.ones(1, 3, device=D).expand(4, 3),
+        accumulate=True),
+    "index_add_": lambda D: torch.zeros(5, 3, device=D).index_add_(
+        0, torch.tensor([2], device=D).expand(4), torch.arange(3.0, device=D).expand(4, 3)),
+    "add_ into an expanded tensor": lambda D: torch.zeros(1, 4, device=D).expand(3, 4).add_(1),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPANDED_IN_PLACE))
+def test_expanded_arguments_of_in_place_operators(sanitize, name):
+    def outcome(D):
+        try:
+            return EXPANDED_IN_PLACE[name](D).cpu()
+        except RuntimeError as e:
+            return str(e)
+    cpu, got = outcome("cpu"), outcome("openreg")
+    if isinstance(cpu, str):
+        assert got == cpu
+    else:
+        assert torch.equal(got, cpu) and got.stride() == cpu.stride()
+
 # ---------------------------------------------------------------- failing statements
 
 # CPython frees a failing statement's temporaries while its exception is still set; a device
