@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torch_behaviour
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -212,17 +214,12 @@ def test_group_norm_gradient_has_the_cpus_bits_and_strides(memory_format):
         results.append((y, xd.grad, m.weight.grad))
     for i, (c, o) in enumerate(zip(*results)):
         assert o.stride() == c.stride()
-        if i > 0 and memory_format == torch.channels_last and torch_before_2_15():
-            # Torch 2.13 and 2.14's derivative of native_group_norm makes the gradient and the
-            # input contiguous on every device but the CPU: another reduction order (2.15 keeps
-            # the input's layout everywhere). Listed in docs/determinism.md.
+        if (i > 0 and memory_format == torch.channels_last
+                and not torch_behaviour.GROUP_NORM_BACKWARD_KEEPS_CHANNELS_LAST):
+            # torch 2.13: another reduction order (tests/torch_behaviour.py, docs/determinism.md)
             torch.testing.assert_close(o.cpu(), c)
             continue
         assert torch.equal(o.cpu(), c)
-
-
-def torch_before_2_15():
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15)
 
 
 def test_dropout_draws_from_the_device_generator():

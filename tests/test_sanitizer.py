@@ -457,3 +457,133 @@ def test_a_compiled_function_is_checked_operator_by_operator(sanitize):
         y = f(x)
     default_stream().wait_stream(side)
     torch.testing.assert_close(y.cpu(), (torch.ones(64) * 2).sin() + 1)
+
+
+
+# ---------------------------------------------------------------- expanded arguments
+
+# Expanded (stride 0) indices, sources and destinations of in-place operators, the issue's
+# statement written correctly among them: the sanitizer takes each argument's whole allocation
+# and lets the operator give the CPU's result, or the CPU's error.
+EXPANDED_IN_PLACE = {
+    "scatter_add_": lambda D: torch.ones(2, 2, 5, 8, dtype=torch.float16, device=D).scatter_add_(
+        0, torch.tensor([1, 1, 1, 1], device=D).view(-1, 1, 1, 1).expand(-1, 2, 5, 8),
+        torch.ones(1, 2, 5, 8, dtype=torch.float16, device=D).expand(4, 2, 5, 8)),
+    "scatter_": lambda D: torch.zeros(3, 4, device=D).scatter_(
+        1, torch.tensor([[2], [0]], device=D).expand(2, 4), 5.0),
+    "index_put_": lambda D: torch.zeros(5, 3, device=D).index_put_(
+        (torch.tensor([1], device=D).expand(4),), torch.ones(1, 3, device=D).expand(4, 3),
+        accumulate=True),
+    "index_add_": lambda D: torch.zeros(5, 3, device=D).index_add_(
+        0, torch.tensor([2], device=D).expand(4), torch.arange(3.0, device=D).expand(4, 3)),
+    "add_ into an expanded tensor": lambda D: torch.zeros(1, 4, device=D).expand(3, 4).add_(1),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPANDED_IN_PLACE))
+def test_expanded_arguments_of_in_place_operators(sanitize, name):
+    def outcome(D):
+        try:
+            return EXPANDED_IN_PLACE[name](D).cpu()
+        except RuntimeError as e:
+            return str(e)
+    cpu, got = outcome("cpu"), outcome("openreg")
+    if isinstance(cpu, str):
+        assert got == cpu
+    else:
+        assert torch.equal(got, cpu) and got.stride() == cpu.stride()
+
+# ---------------------------------------------------------------- failing statements
+
+# CPython frees a failing statement's temporaries while its exception is still set; a device
+# tensor or event among them reaches the runtime's trace hooks, which call into Python (issue 30:
+# the statement of tools/fuzz.py below raised SystemError, or the process died with a
+# segmentation fault, instead of the CPU's RuntimeError). In subprocesses: they crashed.
+FAILING_STATEMENTS = """
+import torch
+
+def raised(statement, **names):
+    try:
+        exec(statement, {"torch": torch, **names})
+    except Exception as e:
+        return type(e), str(e)
+    raise AssertionError("no error: " + statement)
+
+def recorded(event):
+    event.record()
+    return event
+
+# the issue's statement: ones_like(v4)[:4] has 2 rows, so the expand fails; the index tensor
+# (expanded, stride 0), already evaluated, is freed as its error propagates
+SCATTER = ("v4.scatter_add_(0, torch.tensor([1, 1, 1, 1], device=D).view(-1, 1, 1, 1)"
+           ".expand(-1, *v4.shape[1:]), torch.ones_like(v4)[:4].expand((4, 2, 5, 8)).contiguous())")
+# a recorded event that only the failing statement holds
+EVENT = "print(recorded(torch.Event(device=D)), torch.ones(2, device=D).expand(3))"
+for statement, on_cpu in ((SCATTER, SCATTER), (EVENT, "torch.ones(2, device=D).expand(3)")):
+    v4 = {D: torch.ones(2, 2, 5, 8, dtype=torch.float16, device=D) for D in ("cpu", "openreg")}
+    cpu = raised(on_cpu, D="cpu", v4=v4["cpu"])
+    got = raised(statement, D="openreg", v4=v4["openreg"], recorded=recorded)
+    assert got == cpu, (got, cpu)
+    assert torch.equal(v4["openreg"].cpu(), v4["cpu"]), statement
+    print(got[0].__name__)
+print(torch.ones(2, 2, 5, 8, device="openreg").sum().item())
+exec(SCATTER, {"torch": torch, "D": "openreg", "v4": torch.ones(2, 2, 5, 8, device="openreg")})
+"""
+
+
+def run_script(tmp_path, text, **env):
+    script = tmp_path / "program.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script)], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("asynchronous", ["0", "1"])
+def test_a_failing_statement_raises_the_cpus_error(tmp_path, asynchronous):
+    run = run_script(tmp_path, FAILING_STATEMENTS, OPENREG_SANITIZE="1",
+                     OPENREG_ASYNC=asynchronous)
+    assert run.stdout == "RuntimeError\nRuntimeError\n160.0\n", run.stdout + run.stderr
+    # the last statement's error is not caught: the script ends as on the CPU, with its traceback
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.rstrip().splitlines()[-1].startswith(
+        "RuntimeError: The expanded size of the tensor (4) must match the existing size (2)"), \
+        run.stderr
+    assert "trace hook" not in run.stderr and "SystemError" not in run.stderr, run.stderr
+
+
+# The hooks still run for what a failing statement frees: a tensor a side stream read, freed as
+# the error propagates, is a use after free when its memory is handed out again, and the report
+# says where it was freed.
+USE_AFTER_FREE = """
+import torch
+from torch_openreg.sanitizer import StreamSanitizerError
+
+x = [torch.ones(4096, device="openreg")]
+ptr = x[0].untyped_storage().data_ptr()
+side = torch.Stream(device="openreg")
+side.wait_stream(torch.openreg.current_stream())
+with torch.openreg.stream(side):
+    y = x[0] * 3
+try:
+    print(x.pop(), torch.ones(2, device="openreg").expand(3))  # x: freed as the error propagates
+except RuntimeError:
+    print("RuntimeError")
+keep = []
+try:
+    while len(keep) < 512:
+        keep.append(torch.zeros(4096, device="openreg"))
+        assert keep[-1].untyped_storage().data_ptr() != ptr, "not flagged"
+except StreamSanitizerError as e:
+    assert e.errors[0].use_after_free and e.errors[0].previous.operator == "aten::mul.Tensor"
+    print(str(e).split("and freed at:")[1].split("The memory was")[0].strip().splitlines()[-1])
+"""
+
+
+def test_memory_freed_by_a_failing_statement_is_still_tracked(tmp_path):
+    run = run_script(tmp_path, USE_AFTER_FREE, OPENREG_SANITIZE="1")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "RuntimeError",
+        '    print(x.pop(), torch.ones(2, device="openreg").expand(3))  # x: freed as the error '
+        'propagates'], run.stdout + run.stderr
+    assert run.stderr == "", run.stderr

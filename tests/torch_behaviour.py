@@ -32,3 +32,10 @@ PARTIAL_GROUP_BEFORE_SPLITS = RELEASE >= (2, 14)
 # set_test_configs(test_exclusions={cls: {method: {"dtypes": [...]}}}) from torch 2.14 on; 2.13
 # reads only whether the method is named, so it leaves out the whole method.
 DTYPE_EXCLUSIONS = RELEASE >= (2, 14)
+
+# The derivative of native_group_norm hands native_group_norm_backward the gradient and the input
+# in the input's layout on every device from torch 2.14 on; 2.13 makes both contiguous on every
+# device but the CPU, so on a channels-last input the backward kernel reduces in another order
+# there and openreg's gradients differ from the CPU's in the last bits (strides equal; measured
+# on 2.13.0, 2.14.1 and 2.15.0, 2026-11-28).
+GROUP_NORM_BACKWARD_KEEPS_CHANNELS_LAST = RELEASE >= (2, 14)

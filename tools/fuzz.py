@@ -894,7 +894,7 @@ def compare_modes(argv, modes=MODES) -> int:
     tensors = sum(len(s) for p in reference for s in p["steps"])
     # A statement's record: the type of what it raised, if it did, then each tensor's digest.
     # Bits (and whether a statement raised) must agree; another exception type is a note: it is
-    # behaviour, not bits (the sanitizer turns some RuntimeErrors into SystemErrors).
+    # behaviour, not bits.
     def split(step):
         raised = [x for x in step if isinstance(x, str)]
         return raised, [x for x in step if not isinstance(x, str)]
