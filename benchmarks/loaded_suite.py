@@ -39,7 +39,8 @@ def _run(fn, device: str, inputs: list[torch.Tensor]):
     """fn on copies of `inputs` on `device` (leaves that require grad), backward of the sum of
     its outputs; returns the outputs and the gradients, on the CPU, and the time it took."""
     t0 = time.perf_counter()
-    leaves = [x.to(device).requires_grad_(x.is_floating_point()) for x in inputs]
+    leaves = [x.detach().to(device, copy=True).requires_grad_(x.is_floating_point())
+              for x in inputs]
     out = fn(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
     diff = [o for o in outs if o.requires_grad]
