@@ -74,3 +74,20 @@ def test_importing_the_package_before_torch_works():
     r = run("import runpy, sys; sys.argv = ['x', '--steps', '2']; "
             "runpy.run_module('torch_openreg.demo', run_name='__main__')")
     assert r.returncode == 0, r.stderr
+
+
+def test_the_demo_says_when_the_machine_was_busy():
+    # `make demo` prints its ratios with the machine's load next to them (issue 31): with a
+    # CPU-bound process per core running beside it, it must say that the machine was busy.
+    spin = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        r = run("import runpy, sys; sys.argv = ['x', '--steps', '40']; "
+                "runpy.run_module('torch_openreg.demo', run_name='__main__')")
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert r.returncode == 0, r.stderr
+    assert "machine load: load average" in r.stdout and "other processes used" in r.stdout
+    assert "The machine was busy" in r.stdout, r.stdout

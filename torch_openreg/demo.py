@@ -100,9 +100,10 @@ class MachineLoad:
             text += f"; other processes used {others:.2f} cores while the demo ran"
             busy = others > self.BUSY_CORES
         if busy:
-            text += ("\nThe machine was busy: the ratios above include openreg waiting for a free "
-                     "core at each handoff to the autograd device thread and back. On an idle "
-                     "machine openreg runs within about 1.1x of the cpu (README, \"Speed\").")
+            text += ("\nThe machine was busy: every time above includes waiting for a free core, the "
+                     "cpu's too, and the ratios move from run to run. openreg waits at each "
+                     "handoff to the autograd device thread and back; README, \"Speed on a busy "
+                     "machine\", has the figures and the setting for CI.")
         else:
             text += "\nThe machine was idle: the ratios above are openreg's own speed."
         return text
