@@ -26,8 +26,8 @@ rusage), so that a figure measured on a busy machine reads as such.
 --sched prints, per lockstep process, the scheduler's counters of each thread over the measured
 steps (/proc/<pid>/task/<tid>/schedstat and status): time on a core, time runnable but waiting
 for a core, voluntary and involuntary context switches, per step; and, per openreg device, the
-median handoff of backward (backward() called -> first kernel on the device thread) and return
-(last kernel -> backward() returns).
+median handoff of backward (backward() called -> first kernel on the device thread), time inside
+the device thread's kernels and their number, and return (last kernel -> backward() returns).
 --competitor-session: the competing process in this benchmark's session (same, the default: a
 `cmd &` in the same shell, or the other xdist worker) or a new one (another terminal: with the
 kernel's autogroup, the scheduler then shares the cores between sessions first).
@@ -156,7 +156,8 @@ def lockstep_worker(steps: int, sched: bool, prepare=None) -> dict:
             _C._reset_device_thread_stats(False)
             if s["kernels"]:
                 handoffs[d].append(((s["first_start_ns"] - call_ns) * 1e-3,
-                                    (ret_ns - s["last_end_ns"]) * 1e-3))
+                                    (ret_ns - s["last_end_ns"]) * 1e-3, s["busy_ns"] * 1e-3,
+                                    s["kernels"]))
         t2 = time.perf_counter()
         tr.opt.step()
         tr.losses.append(loss.item())
@@ -186,7 +187,7 @@ def lockstep_worker(steps: int, sched: bool, prepare=None) -> dict:
         "ratio": {d: med[d] / med["cpu"] for d in devices[1:]},
         "phases_ms": {d: [statistics.median(p[j] for p in phases[d]) * 1e3 for j in range(3)]
                       for d in devices},
-        "handoff_us": {d: [statistics.median(h[j] for h in handoffs[d]) for j in range(2)]
+        "handoff_us": {d: [statistics.median(h[j] for h in handoffs[d]) for j in range(4)]
                        for d in devices[1:] if handoffs[d]},
         "worst_loss_diff": max(abs(a - b) for d in devices[1:]
                                for a, b in zip(trainers[d].losses, trainers["cpu"].losses)),
@@ -358,8 +359,9 @@ def print_sched(res: dict) -> None:
     for row in res["threads"]:
         print(f"               {row['thread']:16} {row['run'] / 1e6:10.3f} {row['wait'] / 1e6:11.3f} "
               f"{row['slices']:7.1f} {row['vol']:7.1f} {row['invol']:9.1f}")
-    for d, (h, r) in res.get("handoff_us", {}).items():
-        print(f"    {d} backward: handoff {h:.0f} us, return {r:.0f} us; phases "
+    for d, (h, r, busy, kernels) in res.get("handoff_us", {}).items():
+        print(f"    {d} backward: handoff {h:.0f} us, in {kernels:.0f} kernels {busy:.0f} us, "
+              f"return {r:.0f} us; phases "
               + " / ".join(f"{v:.2f}" for v in res["phases_ms"][d])
               + f" ms (cpu {' / '.join(f'{v:.2f}' for v in res['phases_ms']['cpu'])})")
 
