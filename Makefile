@@ -1,23 +1,58 @@
 # Two entry points that work on a fresh machine (see README.md):
-#   make demo   - set up .venv, build torch_openreg, train a small model on openreg
-#   make test   - set up .venv, build torch_openreg, run the test suite twice (the default mode,
-#                 then the asynchronous kernel mode, OPENREG_ASYNC=1), build the guide
+#   make demo   - set up a venv with the default torch, build torch_openreg, train a small model
+#   make test   - the whole test run (what .ci/run calls): on the default torch the suite twice
+#                 (the default mode, then the asynchronous kernel mode, OPENREG_ASYNC=1) and the
+#                 guide; then the suite once on each other supported torch release
+# Other targets:
+#   make test TORCH=2.13  - the suite on one release only, in both modes
+#   make suite TORCH=2.14 MODES=default - the suite on one release, in the modes named
+#   WORKERS=1 (or more) - pytest-xdist workers of the suite (2 by default)
 #   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
-VENV ?= .venv
-PY := $(VENV)/bin/python
+#
+# The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
+# .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
+# all of them live side by side in one checkout. pip's cache keeps one download of each torch
+# wheel per machine, whatever the number of venvs and checkouts.
+RELEASES := 2.15 2.14 2.13
+DEFAULT_TORCH := $(firstword $(RELEASES))
+TORCH ?= $(DEFAULT_TORCH)
+VENV = .venv/torch-$(TORCH)
+PY = $(VENV)/bin/python
+
+# What each release installs: torch, and torchvision where a build that loads beside it exists
+# (none matches 2.13 on the package index: tests/test_vision.py says so there).
+PACKAGES_2.15 := "torch==2.15.*" "torchvision==0.29.2"
+PACKAGES_2.14 := "torch==2.14.*" "torchvision==0.29.1"
+PACKAGES_2.13 := "torch==2.13.*"
+TEST_TOOLS := numpy pytest expecttest hypothesis pyyaml \
+	"transformers>=5.24,<6" "accelerate>=1.15,<2" "diffusers>=0.42,<1" "peft>=0.21,<1" pytest-xdist
 DOCS_TOOLS := "sphinx==9.0.4" "myst-parser==5.2.0"
 NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
+MODES ?= default async
+# pytest-xdist workers for the suite; test files stay whole on one worker (--dist loadfile), so a
+# module's fixtures run once. On 2 cores, 2 workers halve the suite's time (16 -> 8 minutes on
+# torch 2.15): a single pytest process keeps only one core busy (subprocesses, Python overhead).
+WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+# The time of each part of `make test`, printed as it ends and summed up at the end (in CI's log).
+TIMES := build/test-times.txt
+timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start )) s" | tee -a $(TIMES); test $$rc = 0
 
-.PHONY: demo test docs bench fuzz install clean
+.PHONY: demo test suite docs bench fuzz install clean
+# The venvs are kept, not removed as intermediate files of the pattern rules.
+.PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
-$(VENV)/bin/python:
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64" wheel ninja
-	$(PY) -m pip install "torch==2.13.*" numpy pytest expecttest hypothesis pyyaml \
-		"transformers>=5.24,<6" "accelerate>=1.15,<2" $(DOCS_TOOLS)
+# A phony prerequisite would rebuild every time: the venv and the build are files per release.
+.venv/torch-%/bin/python:
+	@test -n '$(PACKAGES_$*)' || { echo "torch $* is not a supported release: $(RELEASES)"; exit 2; }
+	@mkdir -p build
+	@$(call timed, python3 -m venv .venv/torch-$* && \
+	  .venv/torch-$*/bin/python -m pip install -q --upgrade "pip>=23" "setuptools>=64" wheel ninja && \
+	  .venv/torch-$*/bin/python -m pip install -q $(PACKAGES_$*) $(TEST_TOOLS) $(DOCS_TOOLS),torch $* venv)
 
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(NATIVE)
-	$(PY) -m pip install --no-build-isolation -e .
+.venv/torch-%/.installed: .venv/torch-%/bin/python pyproject.toml setup.py $(NATIVE)
+	@mkdir -p build
+	@$(call timed, .venv/torch-$*/bin/python -m pip install -q --no-build-isolation -e .,torch $* build)
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,21 +60,34 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m torch_openreg.demo
 
-# The second run queues every kernel on its stream (docs/async_mode.md): correct programs must
+# The second mode queues every kernel on its stream (docs/async_mode.md): correct programs must
 # give the same results, and a test missing a synchronization shows.
-test: install
-	$(PY) -m pytest -q tests
-	OPENREG_ASYNC=1 $(PY) -m pytest -q tests
-	$(MAKE) docs
+suite: install
+	@for mode in $(MODES); do \
+	  echo "== torch $(TORCH), $$mode mode: pytest tests"; \
+	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; else env=; fi; \
+	  $(call timed, env $$env $(PYTEST) tests,torch $(TORCH) suite $$mode mode) || exit 1; \
+	done
+	@# the contract check of examples/minimal_backend, as tests/test_minimal_backend.py ran it
+	@cat build/minimal_backend/contract_check-torch-$$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import torch; print(torch.__version__)" 2>/dev/null).txt 2>/dev/null || true
+
+ifeq ($(origin TORCH),command line)
+test: suite
+else
+test:
+	@mkdir -p build && rm -f $(TIMES) && echo $$(date +%s) > build/test-start
+	$(MAKE) suite TORCH=$(DEFAULT_TORCH)
+	@$(call timed, $(MAKE) docs TORCH=$(DEFAULT_TORCH),torch $(DEFAULT_TORCH) guide)
+	@for release in $(filter-out $(DEFAULT_TORCH),$(RELEASES)); do \
+	  $(MAKE) suite TORCH=$$release MODES=default || exit 1; \
+	done
+	@echo "== the parts of make test:"; cat $(TIMES); \
+	  echo "in all: $$(( $$(date +%s) - $$(cat build/test-start) )) s"
+endif
 
 # The guide as one Sphinx + MyST site. -W: every warning fails the build, among them a link to a
 # page or heading anchor that does not exist (internal link check) and a page in no toctree.
-# A .venv made before the docs tools were added gets them here.
-$(VENV)/.docs-tools: $(VENV)/bin/python
-	$(PY) -m pip install $(DOCS_TOOLS)
-	touch $@
-
-docs: $(VENV)/.docs-tools
+docs: install
 	$(PY) tools/docs_quotes.py
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "guide: docs/_build/html/index.html"
@@ -55,4 +103,4 @@ bench: install
 	$(PY) benchmarks/fallback.py
 
 clean:
-	rm -rf build $(VENV) torch_openreg/*.so *.egg-info docs/_build
+	rm -rf build .venv torch_openreg/_native *.egg-info docs/_build

@@ -200,25 +200,97 @@ def test_work_on_another_stream_runs_while_one_is_held(asynchronous):
 
 # ---------------------------------------------------------------- asynchronous errors
 
-def test_a_stream_worker_runs_its_kernels_with_one_openmp_thread(asynchronous):
-    # A queued kernel runs on the stream's worker thread; with an OpenMP team of its own the
-    # process would have two teams, which slows every team (docs/async_mode.md). The team's
-    # workers would be named after the worker thread.
-    def workers():
-        return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "openreg_stream"
-                   for t in os.listdir("/proc/self/task"))
+# ---------------------------------------------------------------- same bits as the default mode
 
-    big = torch.rand(2_000_000)
-    x, tiny = big.to("openreg"), torch.ones(4, device="openreg")
-    warm_up(lambda: x * 2, lambda: tiny * 2)  # run at the call (a first signature)
-    tiny * 2  # queued: the stream's worker exists, without a team (4 elements)
-    torch.openreg.synchronize()
-    before = workers()
-    assert before >= 1
-    for _ in range(3):
-        y = x * 2  # queued: a parallel CPU kernel on the worker
-    torch.testing.assert_close(y.sum().cpu(), (big * 2).sum())
-    assert workers() == before
+# The OpenMP thread count is part of a kernel's result (a reduction split over 2 threads rounds
+# differently from one on 1 thread). A queued kernel runs with the count of the thread that
+# issued it, as it would have run on that thread in the default mode (docs/determinism.md). Each
+# program runs in a child with 2 OpenMP threads, so that the split exists whatever the machine.
+REDUCTIONS = """
+    import torch, torch_openreg
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20)
+    w = torch.randn(256, 512)
+    xs = torch.randn(4096, 512)
+    a, dw, dx = x.to("openreg"), w.to("openreg"), xs.to("openreg")
+    bits = []
+    for _ in range(4):
+        bits.append(float(a.sum()).hex())
+        bits.append(float(a.view(1024, 1024).mean(0).sum()).hex())
+        bits.append(float((dx @ dw.t()).square().sum()).hex())
+    cpu = [float(x.sum()).hex(), float(x.view(1024, 1024).mean(0).sum()).hex(),
+           float((xs @ w.t()).square().sum()).hex()] * 4
+    print(bits == cpu, bits[:3], cpu[:3])
+"""
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_a_reduction_called_repeatedly_gives_the_cpu_bits_in_both_modes(mode):
+    # The first call of a signature runs on the caller; the later ones are queued on the stream's
+    # worker (asynchronous mode). Until the worker took the caller's count, the later calls of
+    # a.sum() gave -116.71782684326172 where the CPU and the first call gave -116.71781921386719.
+    result = run_script(REDUCTIONS, env={"OPENREG_ASYNC": mode, "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("True"), result.stdout
+
+
+TWO_STREAMS = """
+    import torch, torch_openreg
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    a = torch.randn(1 << 20, device="openreg")
+    side = torch.openreg.Stream()
+    side.wait_stream(torch.openreg.current_stream())
+    with torch.openreg.stream(side):
+        b = a.mul(2)
+    torch.openreg.current_stream().wait_stream(side)
+    print(bool(b.sum() == a.sum() * 2))
+"""
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_a_correct_two_stream_program_gives_the_same_answer_in_both_modes(mode):
+    # Doubling is exact, so the sum of 2a is twice the sum of a, if both sums split the same way:
+    # a.sum() runs at the call (a first signature), b.sum() is queued (asynchronous mode).
+    result = run_script(TWO_STREAMS, env={"OPENREG_ASYNC": mode, "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True", result.stdout
+
+
+BACKWARD_BITS = """
+    import torch, torch_openreg
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4096, 512), torch.randn(256, 512), torch.randn(256)
+    def grads(device):
+        xd = x.to(device)
+        wd, bd = w.to(device).requires_grad_(), b.to(device).requires_grad_()
+        out = []
+        for _ in range(3):
+            wd.grad = bd.grad = None
+            torch.nn.functional.linear(xd, wd, bd).relu().sum().backward()
+            out += [wd.grad.cpu(), bd.grad.cpu()]
+        return out
+    torch.save(grads("openreg"), "GRADS")
+"""
+
+
+def test_backward_gives_the_same_bits_in_both_modes(tmp_path):
+    # Backward runs on the autograd device thread with one OpenMP thread in both modes; its queued
+    # kernels keep that count on the stream's worker.
+    results = []
+    for mode in ("0", "1"):
+        path = tmp_path / f"grads{mode}.pt"
+        result = run_script(BACKWARD_BITS.replace("GRADS", str(path)),
+                            env={"OPENREG_ASYNC": mode, "OMP_NUM_THREADS": "2"})
+        assert result.returncode == 0, result.stderr
+        results.append(torch.load(path))
+    for default, asynchronous_ in zip(*results):
+        assert torch.equal(default, asynchronous_)
+    for grads in results:  # and the same at every call (the first of a signature or not)
+        for i in range(2, len(grads)):
+            assert torch.equal(grads[i], grads[i % 2])
 
 
 def test_error_of_a_queued_kernel_surfaces_at_the_next_synchronization(asynchronous):

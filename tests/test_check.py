@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -95,6 +96,35 @@ def test_a_crash_and_a_hang_are_reported_and_the_rest_still_run():
     assert (suite.get("failures"), suite.get("skipped")) == ("1", "1")
 
 
+def test_a_missing_set_is_named_where_torch_load_and_storages_need_it():
+    proc = run_check("--import", "openreg_noset", "--format", "json", "--only", "serialization",
+                     "--only", "storage", "--only", "minimal_ops", "--only", "copies")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    _, by_name = results_of(proc)
+    load = by_name["serialization"]
+    assert load["status"] == "fail" and load["missing"] == ["set_.source_Storage_storage_offset"]
+    assert "torch.load rebuilds every tensor with set_" in load["detail"]
+    assert "set_.source_Storage_storage_offset" in load["fix"]
+    storage = by_name["storage"]
+    assert storage["status"] == "fail" and storage["missing"] == ["set_.source_Storage"]
+    assert "set_.source_Storage" in storage["fix"]
+    assert "set_ (NotImplementedError)" in by_name["minimal_ops"]["detail"]
+    assert by_name["copies"]["status"] == "pass"
+
+
+def test_a_failing_opinfo_operator_names_its_sample_tolerance_and_difference():
+    proc = run_check("--import", "openreg_inexact", "--format", "json", "--only", "opinfo_sample")
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # optional
+    _, by_name = results_of(proc)
+    r = by_name["opinfo_sample"]
+    assert r["status"] == "fail" and r["missing"] == ["exp"], r
+    detail = r["detail"]
+    assert re.search(r"exp sample 0 \(float32\[[0-9, ]*\]\): largest difference ([0-9.e+-]+) "
+                     r"\(at tolerance rtol=1.3e-06, atol=1e-05\)", detail), detail
+    largest = float(re.search(r"largest difference ([0-9.e+-]+)", detail).group(1))
+    assert 1e-4 < largest < 1.0  # 0.1% of exp of a sample value
+
+
 def test_optional_failures_keep_the_exit_code_zero():
     proc = run_check("--import", "openreg_crashing", "--only", "autocast", "--only", "copies")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -120,3 +150,40 @@ def test_every_check_is_documented_and_links_an_existing_guide():
     for c in CHECKS:
         assert f"| `{c.name}` |" in page, f"{c.name} is missing from docs/contract_check.md"
         assert (ROOT / "docs" / c.guide).exists(), f"{c.name} links docs/{c.guide}"
+
+
+def entry_points(text):
+    """The code names in a text: qualified (`c10::SetAllocator`, `torch.Stream`), snake_case,
+    camelCase or MACRO_CASE words, the way fix texts name what to implement."""
+    names = re.findall(r"[A-Za-z_]\w*(?:(?:::|\.)[A-Za-z_]\w*)*", text)
+    return [n for n in names if re.search(r"::|\.|_|[a-z][A-Z]", n)]
+
+
+def documents(page, name):
+    """The page names it: in full, or (for a qualified name) by its last component."""
+    last = re.split(r"::|\.", name)[-1]
+    return any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", page) for n in (name, last))
+
+
+def test_each_fix_text_names_only_entry_points_its_guide_documents():
+    """A fix text sends the reader to its page (`see docs/<page>`): every function, class, macro
+    or operator it names must be on that page."""
+    undocumented = {}
+    for c in CHECKS:
+        page = (ROOT / "docs" / c.guide).read_text()
+        names = entry_points(c.fix)
+        assert names, c.name
+        missing = [n for n in names if not documents(page, n)]
+        if missing:
+            undocumented[f"{c.name} -> docs/{c.guide}"] = missing
+    assert not undocumented, undocumented
+
+
+def test_the_fix_text_test_can_fail():
+    assert entry_points("register it with c10::SetAllocator(PrivateUse1) and getNewStream") == \
+        ["c10::SetAllocator", "PrivateUse1", "getNewStream"]
+    assert documents("`c10::SetAllocator(...)`", "c10::SetAllocator")
+    assert documents("call SetAllocator once", "c10::SetAllocator")
+    assert not documents("getDeviceStats", "getDevice")
+    assert not documents("x_is_available", "is_available")
+    assert not documents("REGISTER_ALLOCATOR", "c10::SetAllocator")

@@ -1,5 +1,5 @@
 """Operators registered through torchgen's generated code (csrc/routes/codegen.yaml ->
-build/generated/, kernels in csrc/routes/codegen.cpp), compared with the CPU."""
+build/<torch build tag>/generated/, kernels in csrc/routes/codegen.cpp), compared with the CPU."""
 import pathlib
 import subprocess
 
@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import torch_openreg
+from torch_openreg import _native_build
 
 ROOT = pathlib.Path(torch_openreg.__file__).resolve().parent.parent
+GENERATED = f"build/{_native_build.build_tag(torch.__version__)}/generated"
 
 
 def calls(name):
@@ -19,11 +21,11 @@ def test_registrations_come_from_the_generated_file():
     for op in ["aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_"]:
         line = next(l for l in torch._C._dispatch_dump(op).splitlines()
                     if l.startswith("PrivateUse1:"))
-        assert "build/generated/RegisterPrivateUse1.cpp" in line, line
+        assert f"{GENERATED}/RegisterPrivateUse1.cpp" in line, line
 
 
 def test_generated_files_are_build_outputs_not_sources():
-    generated = ROOT / "build" / "generated"
+    generated = ROOT / GENERATED
     assert (generated / "PrivateUse1NativeFunctions.h").exists()
     assert "static at::Tensor & zero_(at::Tensor & self);" in (
         generated / "PrivateUse1NativeFunctions.h").read_text()

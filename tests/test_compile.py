@@ -452,8 +452,11 @@ def test_streams_inside_compiled_region_are_correct():
         return y + 1
 
     x = torch.randn(64, device="openreg:0")
+    before = torch.openreg.current_stream(0)
     out = torch.compile(f)(x)
     torch.testing.assert_close(out.cpu(), x.cpu() * 2 + 1)
+    # the context restored the stream it replaced (torch 2.15's Dynamo dropped the restore)
+    assert torch.openreg.current_stream(0) == before
 
 
 def test_strict_memory_mode():

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_behaviour
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT = 150  # seconds for one spawned job, startup included
 
@@ -354,7 +356,8 @@ def test_no_backend_name(device_id):
     # the group's default backend: occl ("custom", as with "occl"), or none named (as with
     # "cpu:gloo,openreg:occl" spelled out)
     if device_id:
-        assert results[0][1] == ("cpu:gloo,openreg:occl", "undefined")
+        assert results[0][1] == ("cpu:gloo,openreg:occl",
+                                 torch_behaviour.MIXED_GROUP_DEFAULT_BACKEND_WITH_DEVICE_ID)
     else:
         assert results[0][1] == ("undefined", "custom")
 
@@ -452,17 +455,23 @@ def _check_split(rank, world):
     mine = halves[0] if rank in halves[0] else halves[1]
     reduce_in(sub, mine)
     assert sub.bound_device_id == dev
+    def partial_group():
+        pair = dist.new_group([0, 1])  # ranks 2, 3: perform_nocolor_split on occl
+        if rank < 2:
+            reduce_in(pair, [0, 1])
+
+    if torch_behaviour.PARTIAL_GROUP_BEFORE_SPLITS:
+        partial_group()
     # the ranks left out take part in the split and get no group
     three = dist.split_group(split_ranks=[[1, 2, 3]])
-    assert (three is None) == (rank == 0)
+    assert (three == torch_behaviour.NOT_IN_SPLIT) == (rank == 0)
     # split of a split: ranks of the parent group (0, 1, 2 of [1, 2, 3])
     again = dist.split_group(parent_pg=three, split_ranks=[[0, 1, 2]]) if rank else None
     if rank:
         reduce_in(three, [1, 2, 3])
         reduce_in(again, [1, 2, 3])
-    pair = dist.new_group([0, 1])  # ranks 2, 3: perform_nocolor_split on occl
-    if rank < 2:
-        reduce_in(pair, [0, 1])
+    if not torch_behaviour.PARTIAL_GROUP_BEFORE_SPLITS:
+        partial_group()
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     dt = distribute_tensor(t.to(dev), mesh, [Shard(0), Shard(1)])
     assert torch.equal(dt.redistribute(mesh, [Replicate(), Replicate()]).to_local().cpu(), t)

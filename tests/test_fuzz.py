@@ -23,6 +23,44 @@ def test_fixed_seed_range_finds_no_disagreement():
     assert "400 programs" in summary and "0 disagreements" in summary, summary
 
 
+# Bitwise (docs/determinism.md): CPU against openreg at OMP_NUM_THREADS=1, and openreg's modes
+# against each other at default threads, with programs that train and reduce over threads. A few
+# seconds each on 2 idle cores; `python tools/fuzz.py --bitwise` / `--modes` run longer ranges.
+BITWISE_SEEDS = "0:40"
+MODES_SEEDS = "0:6"
+
+
+def test_bitwise_fixed_seed_range_finds_no_difference_from_the_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--bitwise", "--seeds",
+                        BITWISE_SEEDS, "--steps", "30"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-20000:] + r.stderr[-20000:]
+    summary = r.stdout.strip().splitlines()[-1]
+    assert "40 programs" in summary and "0 disagreements" in summary, summary
+
+
+def test_modes_fixed_seed_range_give_the_same_bits():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--modes", "--seeds",
+                        MODES_SEEDS, "--steps", "30"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-20000:] + r.stderr[-20000:]
+    assert "0 differences" in r.stdout, r.stdout
+
+
+def test_bitwise_mode_sees_a_difference_in_the_last_bit():
+    fuzz.BITWISE = True
+    try:
+        ok, result = run(["v0 = torch.ones(3, device=D) if D == 'cpu' else "
+                          "torch.ones(3, device=D).nextafter(torch.full((3,), 2.0, device=D))"])
+    finally:
+        fuzz.BITWISE = False
+    assert not ok
+    assert "bits differ" in result.disagreements[0][1]
+    ok, _ = run(["v0 = torch.ones(3, device=D) if D == 'cpu' else "
+                 "torch.ones(3, device=D).nextafter(torch.full((3,), 2.0, device=D))"])
+    assert ok  # within the tolerance of the default mode
+
+
 def run(lines):
     result = fuzz.Result()
     ok = fuzz.Program(0, 0, result).run([(line, "test", True) for line in lines])

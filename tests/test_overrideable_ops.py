@@ -212,11 +212,25 @@ def math_reference(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def attention_node(out):
+    """The autograd node of the attention kernel that made `out`. Since torch 2.14,
+    scaled_dot_product_attention gives unbatched (3-D) inputs a batch dimension of 1 before a
+    fused backend and removes it after, so a squeeze comes first there."""
+    node = out.grad_fn
+    while node.name().startswith("SqueezeBackward"):
+        node = node.next_functions[0][0]
+    return node.name()
+
+
 def check_attention(device, q, k, v, mask=None, grad_atol=None, **kwargs):
+    """openreg's own fused kernel (the overrideable backend, chosen explicitly: with the default
+    settings openreg follows the CPU's choice, see test_sdpa_equals_the_cpu_bit_for_bit) against
+    the math backend on the CPU."""
     qd, kd, vd, maskd = to_device([q, k, v, mask], device)
     out = math_reference(q, k, v, attn_mask=mask, **kwargs)
-    outd = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=maskd, **kwargs)
-    assert outd.grad_fn.name() == "ScaledDotProductFusedAttentionOverrideableBackward0"
+    with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+        outd = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=maskd, **kwargs)
+    assert attention_node(outd) == "ScaledDotProductFusedAttentionOverrideableBackward0"
     assert outd.shape == out.shape and outd.device == torch.device(device)
     torch.testing.assert_close(outd.cpu(), out)
     g = torch.randn_like(out)
@@ -233,8 +247,14 @@ def check_attention(device, q, k, v, mask=None, grad_atol=None, **kwargs):
 def test_sdp_choice_selects_the_overrideable_backend(device):
     q, k, v = (torch.randn(2, 3, 5, 8, device=device) for _ in range(3))
     assert torch._fused_sdp_choice(q, k, v) == SDPBackend.OVERRIDEABLE.value
-    assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True) == \
-        SDPBackend.OVERRIDEABLE.value
+    # Where the CPU runs its math backend (dropout), so does openreg, unless the user asks for
+    # the overrideable backend itself.
+    assert torch._fused_sdp_choice(q.cpu(), k.cpu(), v.cpu(), dropout_p=0.1) == \
+        SDPBackend.MATH.value
+    assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True) == SDPBackend.MATH.value
+    with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+        assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True) == \
+            SDPBackend.OVERRIDEABLE.value
     with sdpa_kernel(SDPBackend.MATH):
         assert torch._fused_sdp_choice(q, k, v) == SDPBackend.MATH.value
         assert F.scaled_dot_product_attention(q, k, v).grad_fn is None
@@ -358,7 +378,7 @@ def test_sdpa_low_precision(device, dtype):
     qd, kd, vd = to_device([q, k, v], device)
     outd = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
     assert outd.dtype == dtype
-    assert outd.grad_fn.name() == "ScaledDotProductFusedAttentionOverrideableBackward0"
+    assert attention_node(outd) == "ScaledDotProductFusedAttentionOverrideableBackward0"
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     out = math_reference(qf, kf, vf, is_causal=True)
     torch.testing.assert_close(outd.cpu().float(), out, atol=2e-2, rtol=2e-2)
@@ -406,7 +426,8 @@ def test_sdpa_dropout_matches_math_with_the_same_mask(device, causal):
     assert 0.45 < keep.float().mean().item() < 0.75
 
     seed_device(device, 5)  # the same seed: the same mask in forward and backward
-    outd = F.scaled_dot_product_attention(qd, kd, vd, dropout_p=p, is_causal=causal)
+    with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+        outd = F.scaled_dot_product_attention(qd, kd, vd, dropout_p=p, is_causal=causal)
     out, _ = torch.ops.aten._scaled_dot_product_attention_math(
         q, k, v, None, p, causal, keep.cpu())
     torch.testing.assert_close(outd.cpu(), out)
@@ -415,6 +436,56 @@ def test_sdpa_dropout_matches_math_with_the_same_mask(device, causal):
     outd.backward(g.to(device))
     for a, b in ((qd, q), (kd, k), (vd, v)):
         torch.testing.assert_close(a.grad.cpu(), b.grad)
+
+
+# Where the CPU's flash-attention kernel serves the inputs, openreg's results are the CPU's bit
+# for bit, forward and backward; elsewhere both run the math backend (docs/determinism.md).
+BITWISE_ATTENTION = {
+    "batched": dict(shapes=((2, 3, 5, 8), (2, 3, 7, 8))),
+    "unbatched": dict(shapes=((3, 5, 8), (3, 7, 8))),
+    "unbatched_causal": dict(shapes=((3, 6, 8), (3, 6, 8)), is_causal=True),
+    "causal": dict(shapes=((2, 2, 6, 16), (2, 2, 9, 16)), is_causal=True),
+    "bool_mask": dict(shapes=((2, 3, 5, 8), (2, 3, 7, 8)), mask=(torch.bool, (5, 7))),
+    "float_mask": dict(shapes=((2, 3, 5, 8), (2, 3, 7, 8)), mask=(None, (2, 1, 5, 7))),
+    "float_mask_with_grad": dict(shapes=((2, 3, 5, 8), (2, 3, 7, 8)), mask=(None, (5, 7)),
+                                 mask_grad=True),
+    "gqa": dict(shapes=((2, 6, 5, 8), (2, 2, 7, 8)), enable_gqa=True),
+    "gqa_causal": dict(shapes=((1, 4, 5, 8), (1, 1, 5, 8)), enable_gqa=True, is_causal=True),
+    "scale": dict(shapes=((2, 2, 5, 8), (2, 2, 5, 8)), scale=0.3),
+    "value_dim_differs": dict(shapes=((2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 6, 3))),
+    "long": dict(shapes=((1, 2, 300, 32), (1, 2, 300, 32)), is_causal=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(BITWISE_ATTENTION))
+def test_sdpa_equals_the_cpu_bit_for_bit(case, dtype):
+    kwargs = dict(BITWISE_ATTENTION[case])
+    q, k, v = attention_inputs(*kwargs.pop("shapes"), dtype=dtype)
+    mask = None
+    if "mask" in kwargs:
+        mask_dtype, shape = kwargs.pop("mask")
+        g = torch.Generator().manual_seed(3)
+        mask = (torch.rand(shape, generator=g) > 0.3 if mask_dtype == torch.bool else
+                torch.randn(shape, generator=g, dtype=dtype))
+        if mask_dtype == torch.bool:
+            mask[..., 0] = True
+        mask.requires_grad_(kwargs.pop("mask_grad", False))
+    qd, kd, vd, maskd = to_device([q, k, v, mask], "openreg")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # backward: as on the autograd device thread (docs/determinism.md)
+    try:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+        outd = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=maskd, **kwargs)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        out.backward(g)
+        outd.backward(g.to("openreg"))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outd.cpu(), out) and outd.stride() == out.stride()
+    for a, b in ((qd, q), (kd, k), (vd, v), (maskd, mask)):
+        if b is not None and b.requires_grad:
+            assert torch.equal(a.grad.cpu(), b.grad) and a.grad.stride() == b.grad.stride()
 
 
 def test_sdpa_errors():

@@ -271,6 +271,51 @@ def test_to_cpu_non_blocking_read_early_is_flagged(sanitize):
         host.max()
 
 
+def read_in_another_thread(read):
+    """Runs read() in a new host thread; returns what it raised (or None)."""
+    import threading
+    raised = []
+
+    def body():
+        try:
+            read()
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            raised.append(e)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return raised[0] if raised else None
+
+
+def test_a_non_blocking_copy_read_from_another_host_thread_before_synchronizing_is_flagged(
+        sanitize):
+    # One thread copies to the host without waiting, another reads the result: nothing orders
+    # the read after the copy. Threads started after enable() are checked too.
+    x = torch.arange(N, dtype=torch.float32, device="openreg")
+    host = x.to("cpu", non_blocking=True)
+    error = read_in_another_thread(lambda: host.sum())
+    assert isinstance(error, StreamSanitizerError), error
+    e = error.errors[0]
+    assert "sum" in e.current.operator and e.current.stream == -1
+    assert "copy" in e.previous.operator and e.previous.stream == handle(default_stream())
+
+
+@pytest.mark.parametrize("who", ["copying thread", "reading thread"])
+def test_a_non_blocking_copy_read_from_another_host_thread_after_synchronizing_is_silent(
+        sanitize, who):
+    x = torch.arange(N, dtype=torch.float32, device="openreg")
+    host = x.to("cpu", non_blocking=True)
+    done = torch.Event(device="openreg")
+    done.record()
+    if who == "copying thread":
+        done.synchronize()
+        read = lambda: host.sum().item()  # noqa: E731
+    else:
+        read = lambda: (done.synchronize(), host.sum().item())  # noqa: E731
+    assert read_in_another_thread(read) is None
+    assert host.sum().item() == sum(range(N))
+
+
 def test_overwriting_the_source_of_an_in_flight_host_to_device_copy_is_flagged(sanitize):
     host = torch.ones(N).pin_memory()
     dev = host.to("openreg", non_blocking=True)

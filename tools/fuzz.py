@@ -24,12 +24,27 @@ read uninitialised memory on expanded inputs (DESIGN.md, pitfall 22).
 
     python tools/fuzz.py --seeds 0:200            # a seed range (make fuzz runs a long one)
     python tools/fuzz.py --seed 17 --show         # print one program
+
+Bitwise modes (docs/determinism.md), with programs that also train (a linear or convolution
+layer, backward, an optimizer step: SGD, Adam, AdamW, foreach or fused), attention and
+normalisation layers, and reductions large enough to be split over OpenMP threads:
+
+    python tools/fuzz.py --bitwise --seeds 0:100  # CPU and openreg bit for bit, at
+                                                  # OMP_NUM_THREADS=1 (re-runs itself so)
+    python tools/fuzz.py --modes --seeds 0:100    # openreg against itself at default threads:
+                                                  # the default mode, OPENREG_ASYNC=1,
+                                                  # OPENREG_SANITIZE=1, OPENREG_STRICT_MEMORY=1,
+                                                  # each in a process of its own, bit for bit
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
+import os
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -93,6 +108,34 @@ def grad_of(f, t):
     out = f(w)
     (g,) = torch.autograd.grad(out.abs().sum() if out.is_complex() else out.sum(), w)
     return g
+
+def train(make, optimizer, x, seed, steps=2, memory_format=None):
+    """A few training steps of a layer made (on the CPU) from a seed: the same weights on every
+    device; the trained weights, their gradients and the input's gradient, in one vector."""
+    torch.manual_seed(seed)
+    m = make().to(x.device)
+    if memory_format is not None:
+        m = m.to(memory_format=memory_format)
+        x = x.contiguous(memory_format=memory_format)
+    opt = optimizer(m.parameters())
+    x = x.detach().requires_grad_()
+    for _ in range(steps):
+        opt.zero_grad()
+        out = m(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().mean().backward()
+        opt.step()
+    flat = [p.detach().reshape(-1) for p in m.parameters()]
+    flat += [p.grad.reshape(-1) for p in m.parameters() if p.grad is not None]
+    return torch.cat(flat + [x.grad.reshape(-1), out.detach().reshape(-1)])
+
+def grads_of(f, *ts):
+    """f's result and the gradients of its sum with respect to each of ts (kept in their
+    layout: their strides are compared too)."""
+    ws = [t.detach().clone().requires_grad_() for t in ts]
+    out = f(*ws)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [w.grad for w in ws]
 '''
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -117,6 +160,63 @@ class Result:
 
 class Disagreement(Exception):
     pass
+
+
+# --bitwise: results must be equal bit for bit (NaNs of any payload aside), not close.
+BITWISE = False
+# Torch 2.13 and 2.14's derivative of native_group_norm makes a channels-last input contiguous
+# on every device but the CPU (docs/determinism.md): their GroupNorm gradients round otherwise
+# there, so the bitwise programs give GroupNorm channels-last inputs from 2.15 on only.
+GROUP_NORM_KEEPS_LAYOUT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15)
+# --record: the openreg side's results are recorded (digests), not compared with the CPU's.
+RECORD: list | None = None
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of their width (complex: real and imaginary parts)."""
+    t = t.detach().cpu()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    if t.dtype.is_floating_point:
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        ra = torch.view_as_real(a.resolve_conj()) if a.is_complex() else a
+        rb = torch.view_as_real(b.resolve_conj()) if b.is_complex() else b
+        nan = ra.isnan()
+        if not torch.equal(nan, rb.isnan()):
+            return False
+        return torch.equal(as_bits(ra.masked_fill(nan, 0)), as_bits(rb.masked_fill(nan, 0)))
+    return torch.equal(as_bits(a), as_bits(b))
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{a.dtype} {tuple(a.shape)} against {b.dtype} {tuple(b.shape)}"
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    for i in range(fa.numel()):
+        if not same_bits(fa[i:i + 1], fb[i:i + 1]):
+            diff = ""
+            if a.dtype.is_floating_point:
+                diff = f", {abs(float(fa[i]) - float(fb[i])):.3g} apart"
+            return f"element {i}: openreg {fa[i].item()!r}, cpu {fb[i].item()!r}{diff}"
+    return "?"
+
+
+def digest(t: torch.Tensor) -> str:
+    """What --modes compares: dtype, shape, strides, offset and the bits."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(repr((t.dtype, tuple(t.shape), t.stride(), t.storage_offset())).encode())
+    h.update(as_bits(t).numpy().tobytes())
+    return h.hexdigest()
 
 
 def describe(t: torch.Tensor) -> str:
@@ -147,6 +247,8 @@ def compare_tensor(name: str, c: torch.Tensor, o: torch.Tensor) -> str | None:
         cc = cc.resolve_neg()
     if oc.is_neg():
         oc = oc.resolve_neg()
+    if BITWISE:
+        return None if same_bits(oc, cc) else f"{name}: bits differ: {first_difference(oc, cc)}"
     try:
         if cc.dtype.is_floating_point or cc.dtype.is_complex:
             torch.testing.assert_close(oc, cc, equal_nan=True, rtol=1e-3 if cc.dtype in (
@@ -472,12 +574,139 @@ class Program:
         ])
         return f"{self.new()} = grad_of({f}, {name})", "autograd", False
 
+    # ---- programs that train and reductions split over threads (--bitwise, --modes) ----
+    OPTIMIZERS = [
+        "lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)",
+        "lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=True)",
+        "lambda p: torch.optim.Adam(p, lr=0.01)",
+        "lambda p: torch.optim.Adam(p, lr=0.01, foreach=True)",
+        "lambda p: torch.optim.AdamW(p, lr=0.01, fused=True)",
+        "lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True, foreach=False)",
+        "lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5)",
+        "lambda p: torch.optim.Adagrad(p, lr=0.1)",
+    ]
+
+    def g_train(self):
+        r = self.rng
+        seed = r.randrange(10**6)
+        big = r.random() < 0.3  # reductions and matmuls large enough to be split over threads
+        n = 512 if big else 16
+        layers = [
+            (f"torch.nn.Linear(64, {256 if big else 32})", (n, 64), None),
+            ("torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 8))",
+             (n, 32), None),
+            ("torch.nn.Conv2d(4, 6, 3, padding=1)", (8 if big else 2, 4, 12, 12), None),
+            # Convolutions on contiguous inputs only: on channels-last ones openreg returns
+            # contiguous results (docs/overrideable_ops.md), so their backward rounds otherwise.
+            ("torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.GroupNorm(2, 8))",
+             (2, 4, 10, 10), None),
+            ("torch.nn.GroupNorm(2, 4)", (2, 4, 10, 10),
+             r.choice([None, "torch.channels_last" if GROUP_NORM_KEEPS_LAYOUT else None])),
+            ("torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.BatchNorm2d(8))",
+             (4, 4, 10, 10), None),
+            ("torch.nn.BatchNorm2d(4)", (4, 4, 10, 10), r.choice([None, "torch.channels_last"])),
+            ("torch.nn.LayerNorm(32)", (n, 32), None),
+            ("torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)",
+             (2, 6, 16), None),
+            # Not LSTM or GRU: openreg runs their fused cells (as CUDA does), the CPU its unfused
+            # ones; the results differ in the last bits (docs/determinism.md).
+        ]
+        layer, shape, fmt = r.choice(layers)
+        x = f"on(mk({shape}, torch.float32, {r.randrange(10**6)}), D)"
+        return (f"{self.new()} = train(lambda: {layer}, {r.choice(self.OPTIMIZERS)}, {x}, {seed}, "
+                f"memory_format={fmt})", "train", False)
+
+    def g_big_reduce(self):
+        r = self.rng
+        n = r.choice([1 << 16, 1 << 18, 3 * 100003])
+        x = f"on(mk(({n},), torch.float32, {r.randrange(10**6)}), D)"
+        expr = r.choice([f"{x}.sum()", f"{x}.mean()", f"{x}.var()", f"{x}.norm()",
+                         f"{x}.view(-1, {n // 1024 if n % 1024 == 0 else 100003}).sum(0)",
+                         f"{x}.softmax(0)[:8]", f"{x}.logsumexp(0)",
+                         f"({x}.view(-1, 64)[:256].t() @ {x}.view(-1, 64)[:256]).sum()",
+                         f"torch.nn.functional.l1_loss({x}, {x}.flip(0))"])
+        return f"{self.new()} = {expr}", "big_reduce", False
+
+    def g_attention(self):
+        r = self.rng
+        dt = r.choice(["torch.float32", "torch.float32", "torch.bfloat16", "torch.float16"])
+        batched = r.random() < 0.7
+        hq = r.choice([2, 4])
+        hkv = r.choice([hq, hq // 2]) if batched else hq
+        L, S, E = r.randint(1, 9), r.randint(1, 9), r.choice([8, 16])
+        lead = (2,) if batched else ()
+        mk = lambda shape: f"on(mk({shape}, {dt}, {r.randrange(10**6)}), D)"
+        q, k, v = mk(lead + (hq, L, E)), mk(lead + (hkv, S, E)), mk(lead + (hkv, S, E))
+        kw = []
+        if hkv != hq:
+            kw.append("enable_gqa=True")
+        mask = r.randrange(4)
+        if mask == 1:
+            kw.append("is_causal=True")
+        elif mask == 2:
+            kw.append(f"attn_mask=on(mk(({L}, {S}), torch.bool, {r.randrange(10**6)}), D)")
+        elif mask == 3:
+            kw.append(f"attn_mask=on(mk(({L}, {S}), {dt}, {r.randrange(10**6)}), D)")
+        if r.random() < 0.2:
+            kw.append("scale=0.3")
+        names = ", ".join(self.new() for _ in range(4))
+        f = f"lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, {', '.join(kw)})"
+        return f"{names} = grads_of({f}, {q}, {k}, {v})", "attention", False
+
+    def g_layer_op(self):
+        r = self.rng
+        # Channels-last inputs, except for convolutions: openreg returns their results in the
+        # layout Inductor predicts for the overrideable backend (contiguous), the CPU keeps the
+        # input's (docs/overrideable_ops.md): the values are equal, the strides are not.
+        x4 = f"on(mk((2, 8, 7, 6), torch.float32, {r.randrange(10**6)}), D)"
+        x4_cl = x4 + ".contiguous(memory_format=torch.channels_last)"
+        if r.random() < 0.5:
+            x4 = x4_cl
+        w = lambda shape: f"on(mk({shape}, torch.float32, {r.randrange(10**6)}), D)"
+        F = "torch.nn.functional"
+        choices = [
+            (f"lambda x, w: {F}.conv2d(x, w, stride={r.choice([1, 2])}, padding=1, "
+             f"dilation={r.choice([1, 2])}, groups={r.choice([1, 2, 4])})",
+             [x4, None], "conv2d"),
+            (f"lambda x, w: {F}.conv_transpose2d(x, w, stride=2, output_padding=1)",
+             [x4, w((8, 3, 3, 3))], "conv_transpose2d"),
+            (f"lambda x, w: {F}.conv1d(x, w, padding=2)",
+             [w((2, 8, 11)), w((5, 8, 3))], "conv1d"),
+            (f"lambda x, w: {F}.conv3d(x, w)", [w((1, 2, 5, 5, 5)), w((3, 2, 2, 2, 2))], "conv3d"),
+            (f"lambda x, w, b: {F}.group_norm(x, 4, w, b)", [x4, w((8,)), w((8,))], "group_norm"),
+            (f"lambda x, w, b: {F}.batch_norm(x, None, None, w, b, training=True)",
+             [x4, w((8,)), w((8,))], "batch_norm"),
+            (f"lambda x, w, b: {F}.instance_norm(x, weight=w, bias=b)", [x4, w((8,)), w((8,))],
+             "instance_norm"),
+            (f"lambda x, w, b: {F}.layer_norm(x, (6,), w, b)", [x4, w((6,)), w((6,))],
+             "layer_norm"),
+            (f"lambda x: {F}.interpolate(x, scale_factor=2, mode='bilinear')", [x4],
+             "interpolate"),
+            (f"lambda x: {F}.max_pool2d(x, 2)", [x4], "max_pool2d"),
+            (f"lambda x: {F}.adaptive_avg_pool2d(x, 3)", [x4], "adaptive_avg_pool2d"),
+            (f"lambda x, h, w1, w2: torch.rnn_tanh_cell(x, h, w1, w2)",
+             [w((3, 8)), w((3, 4)), w((4, 8)), w((4, 4))], "rnn_tanh_cell"),
+        ]
+        f, args, op = r.choice(choices)
+        if op == "conv2d":  # weight shape follows the groups chosen
+            groups = int(f.split("groups=")[1].split(")")[0])
+            args[1] = w((4, 8 // groups, 3, 3))
+        if (op.startswith("conv") or (op == "group_norm" and not GROUP_NORM_KEEPS_LAYOUT)) and \
+                args[0] == x4_cl:
+            args[0] = x4_cl.replace(".contiguous(memory_format=torch.channels_last)", "")
+        names = ", ".join(self.new() for _ in range(len(args) + 1))
+        return f"{names} = grads_of({f}, {', '.join(args)})", op, False
+
     GENERATORS = [("g_make", 3), ("g_view", 4), ("g_unary", 3), ("g_binary", 4), ("g_inplace", 4),
                   ("g_out", 1), ("g_index", 3), ("g_reduce", 3), ("g_matmul", 1), ("g_cast", 2),
                   ("g_device", 1), ("g_stream", 1), ("g_grad", 1)]
+    # Added in the bitwise modes.
+    DETERMINISM_GENERATORS = [("g_train", 2), ("g_big_reduce", 2), ("g_attention", 2),
+                              ("g_layer_op", 2)]
 
     def next_statement(self):
-        names, weights = zip(*self.GENERATORS)
+        names, weights = zip(*(self.GENERATORS + (self.DETERMINISM_GENERATORS
+                                                  if BITWISE or RECORD is not None else [])))
         while True:
             g = self.rng.choices(names, weights)[0] if self.tensors() else "g_make"
             s = getattr(self, g)()
@@ -522,6 +751,16 @@ class Program:
             raise Disagreement(f"{name}: shares memory with {shares['openreg']} on openreg, "
                                f"with {shares['cpu']} on the CPU")
 
+    def record(self, error, names):
+        """--record: what the openreg side computed, for comparing modes with each other."""
+        env = self.envs["openreg"]
+        got = [type(error).__name__] if error is not None else []
+        for k in names:
+            v = env.get(k)
+            if isinstance(v, torch.Tensor):
+                got.append((k, digest(v)))
+        RECORD[-1]["steps"].append(got)
+
     def step(self, given=None):
         before = set(self.tensors())
         snapshot = {k: storage_key(self.t(k)) for k in before}
@@ -531,6 +770,15 @@ class Program:
         self.result.operators.add(op)
         ec = self.run_side("cpu", stmt)
         eo = self.run_side("openreg", stmt)
+        if RECORD is not None:
+            new = sorted(set(self.tensors()) - before)
+            self.record(eo, self.tensors() if writes else new)
+            if ec is not None or eo is not None:
+                for side in ("cpu", "openreg"):
+                    for k in set(self.envs[side]) - before:
+                        if k.startswith("v") and k[1:].isdigit():
+                            self.envs[side].pop(k, None)
+            return
         if (ec is None) != (eo is None) or (ec is not None and type(ec) is not type(eo)):
             what = lambda e: "no error" if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise Disagreement(f"error mismatch: CPU {what(ec)}; openreg {what(eo)}")
@@ -559,6 +807,8 @@ class Program:
     def run(self, statements=None):
         """Runs `steps` random statements, or the given (statement, operator, writes) triples."""
         self.result.programs += 1
+        if RECORD is not None:
+            RECORD.append({"seed": self.seed, "lines": self.lines, "steps": []})
         try:
             for given in statements or [None] * self.steps:
                 self.step(given)
@@ -611,19 +861,101 @@ def run_seeds(seeds, steps=30, verbose=False, show=False) -> Result:
     return result
 
 
+# The modes --modes compares: each runs the same programs in a process of its own.
+MODES = {
+    "default": {},
+    "OPENREG_ASYNC=1": {"OPENREG_ASYNC": "1"},
+    "OPENREG_SANITIZE=1": {"OPENREG_SANITIZE": "1"},
+    "OPENREG_STRICT_MEMORY=1": {"OPENREG_STRICT_MEMORY": "1"},
+}
+
+
+def compare_modes(argv, modes=MODES) -> int:
+    """Runs the programs once per mode (--record) and compares what openreg computed, bit for bit,
+    statement by statement."""
+    import tempfile
+    records, start = {}, time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, env in modes.items():
+            path = os.path.join(tmp, "record.json")
+            env = {k: v for k, v in os.environ.items() if k not in
+                   ("OPENREG_ASYNC", "OPENREG_SANITIZE", "OPENREG_STRICT_MEMORY")} | env
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--record", path],
+                               env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"{name}: the run failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+                return 1
+            with open(path) as f:
+                records[name] = json.load(f)
+    reference_name = next(iter(modes))
+    reference = records[reference_name]
+    programs = len(reference)
+    statements = sum(len(p["steps"]) for p in reference)
+    tensors = sum(len(s) for p in reference for s in p["steps"])
+    # A statement's record: the type of what it raised, if it did, then each tensor's digest.
+    # Bits (and whether a statement raised) must agree; another exception type is a note: it is
+    # behaviour, not bits (the sanitizer turns some RuntimeErrors into SystemErrors).
+    def split(step):
+        raised = [x for x in step if isinstance(x, str)]
+        return raised, [x for x in step if not isinstance(x, str)]
+    differences, notes = [], []
+    for name, programs_of_mode in records.items():
+        for ref, got in zip(reference, programs_of_mode):
+            for i, (a, b) in enumerate(zip(ref["steps"], got["steps"])):
+                (ra, da), (rb, db) = split(a), split(b)
+                if da != db or bool(ra) != bool(rb):
+                    differences.append(f"{name} differs from {reference_name}: seed {ref['seed']}, "
+                                       f"statement {i}: {ref['lines'][i]}\n    {a}\n    {b}")
+                    break
+                if ra != rb:
+                    notes.append(f"{name}: seed {ref['seed']}, statement {i} raised {rb} where "
+                                 f"{reference_name} raised {ra}")
+    print(f"{programs} programs, {statements} statements, {tensors} results compared across "
+          f"{len(modes)} modes ({', '.join(modes)}), {len(differences)} differences, "
+          f"{time.time() - start:.0f} s")
+    for d in differences:
+        print("  " + d)
+    for n in notes:
+        print("  note: " + n)
+    return 1 if differences else 0
+
+
 def main(argv=None):
+    global BITWISE, RECORD
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seeds", default="0:100", help="a range start:stop")
     ap.add_argument("--seed", type=int, help="one seed")
     ap.add_argument("--steps", type=int, default=30, help="statements per program")
     ap.add_argument("--show", action="store_true", help="print each program")
+    ap.add_argument("--bitwise", action="store_true",
+                    help="CPU and openreg bit for bit, at OMP_NUM_THREADS=1")
+    ap.add_argument("--modes", action="store_true",
+                    help="openreg's modes against each other, bit for bit, at default threads")
+    ap.add_argument("--record", help=argparse.SUPPRESS)  # a --modes run writes its digests here
     args = ap.parse_args(argv)
+    if args.modes:
+        rest = [a for a in argv if a != "--modes"]
+        return compare_modes(rest)
+    if args.bitwise and os.environ.get("OMP_NUM_THREADS") != "1":
+        # Backward runs on the autograd device thread with one OpenMP thread; the CPU's equals it
+        # bit for bit when the caller runs one too (docs/determinism.md).
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        return subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env).returncode
+    BITWISE = args.bitwise
+    if args.record:
+        RECORD = []
     if args.seed is not None:
         seeds = [args.seed]
     else:
         a, b = args.seeds.split(":")
         seeds = range(int(a), int(b))
     start = time.time()
+    if RECORD is not None:
+        r = run_seeds(seeds, args.steps)
+        with open(args.record, "w") as f:
+            json.dump(RECORD, f)
+        return 0
     r = run_seeds(seeds, args.steps, verbose=True, show=args.show)
     print(f"{r.programs} programs, {r.statements} statements ({r.errors_both} raised on both "
           f"sides), {len(r.operators)} operators, {len(r.disagreements)} disagreements, "

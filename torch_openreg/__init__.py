@@ -22,8 +22,12 @@ import atexit  # noqa: E402
 import torch  # noqa: E402
 
 # The native core registers, when loaded: the device allocator, the pinned-memory allocator, the
-# DeviceGuard, the PrivateUse1 hooks, the generators, the minimal kernels and the fallback.
-from torch_openreg import _C  # noqa: E402,F401
+# DeviceGuard, the PrivateUse1 hooks, the generators, the minimal kernels and the fallback. It is
+# the build made against the installed torch (one per release, side by side), or a clear
+# ImportError saying how to rebuild (_native_build.py, docs/torch_releases.md).
+from torch_openreg import _native_build  # noqa: E402
+
+_C = _native_build.load(torch.__version__)
 from torch_openreg import openreg  # noqa: E402
 
 __all__ = ["openreg"]
@@ -75,3 +79,10 @@ _sanitizer._enable_from_environment()
 from torch_openreg import async_mode as _async_mode  # noqa: E402
 
 _async_mode._enable_from_environment()
+
+# A test suite pointed at openreg (TRANSFORMERS_TEST_*, DIFFUSERS_TEST_*, TORCH_TEST_DEVICES) in a
+# way that would not test openreg fails here, before the suite reads its variables: at
+# `import torch`, naming the variable and the fix (docs/test_suites.md).
+from torch_openreg import testing as _testing  # noqa: E402
+
+_testing._check_suite_environment()

@@ -99,6 +99,19 @@ def _raw_stream(device: int) -> int:
     return torch.openreg.current_stream(device).stream_id
 
 
+@functools.lru_cache(None)
+def _cache_system_info() -> dict[str, object]:
+    import hashlib
+
+    from torch_openreg import openreg
+
+    with open(__file__, "rb") as f:
+        codegen = hashlib.sha256(f.read()).hexdigest()
+    props = openreg.get_device_properties(0)
+    return {"openreg_codegen": codegen, "name": props.name,
+            "capability": [props.major, props.minor]}
+
+
 def _register_dynamo(device_interface: Any) -> None:
     from torch_openreg import openreg
 
@@ -156,6 +169,17 @@ def _register_dynamo(device_interface: Any) -> None:
         @staticmethod
         def is_triton_capable(device: Any = None) -> bool:
             return False  # generated code for openreg is C++ (Inductor's CPU codegen)
+
+        # Asked from torch 2.15 on (unused before; docs/torch_releases.md):
+        @staticmethod
+        def is_gpu() -> bool:
+            return False  # not GPU-class: Inductor's CPU (C++) code generation and scheduling
+
+        @classmethod
+        def get_cache_system_info(cls) -> dict[str, object]:
+            """Part of the key of Inductor's code cache: what the generated code depends on
+            beyond torch itself, i.e. this module's code generation and the device's kind."""
+            return _cache_system_info()
 
     device_interface.register_interface_for_device("openreg", OpenRegInterface)
     for i in range(openreg.device_count()):
@@ -332,6 +356,13 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
             return (f"at::vec::VecMask<int32_t,{n}>({nums} != {ints}(0))"
                     f".template cast<float,{self._get_num_vectors(torch.float)}>()")
 
+    class OpenRegTile2DKernel(cpp.CppTile2DKernel, OpenRegVecKernel):
+        """Inductor's kernel for loops tiled in two dimensions (transposed loads and stores),
+        with openreg's vector kernel under it: the same bool bytes, and an instance of the
+        proxy's ``vec_kernel_cls``, which ``CppKernelProxy.aggregate_reduction_buffers``
+        asserts of the main loop's kernel of a reduction (without this class, training steps
+        of ResNet-18, MobileNetV3 and a ViT failed to compile on that assertion)."""
+
     # [docs:end BOOL_VECTORS]
 
     # [docs:start STRIDED_LOADS]
@@ -359,6 +390,7 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         """
 
         vec_kernel_cls = OpenRegVecKernel
+        tile2d_kernel_cls = OpenRegTile2DKernel
 
         def codegen_functions(self, fn_list, var_sizes_list):
             with strided_limit:
@@ -462,10 +494,25 @@ def _source_hash() -> str:
 
 
 # [docs:start INSTALL]
+def _stream_context_runs_eagerly(decorators: Any) -> None:
+    """``with torch.openreg.stream(s):`` inside a compiled function runs as it does in eager mode.
+
+    From torch 2.15 on, Dynamo traces ``torch.accelerator.set_stream`` as a symbolic change of
+    stream and drops it from a graph that holds no operator, so the restoring half of the context
+    (``__exit__``, graph-broken by the device switch that follows) was lost and the side stream
+    stayed current after the call. Both halves are calls Dynamo must not trace: it breaks the
+    graph there and runs them as written, as torch 2.13 and 2.14 did by themselves."""
+    from torch_openreg.openreg.streams import StreamContext
+
+    for name in ("__enter__", "__exit__"):
+        setattr(StreamContext, name, decorators.disable(getattr(StreamContext, name)))
+
+
 def install() -> None:
     """Called by ``import torch_openreg``: each registration runs when torch imports the module it
     extends (at once if it is already imported)."""
     _after_import.watch("torch._dynamo.device_interface", _register_dynamo)
+    _after_import.watch("torch._dynamo.decorators", _stream_context_runs_eagerly)
     _after_import.watch("torch._dynamo.backends.registry", _register_dynamo_backend)
     for name in _INDUCTOR_MODULES:
         _after_import.watch(name, _inductor_module_loaded)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
 
 from torch_openreg import _C
 from torch_openreg.openreg import _gpu_trace
@@ -373,6 +373,8 @@ class _SanitizerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _sanitizer.mode is not self:  # a thread started while it was on, after disable()
+            return func(*args, **kwargs)
         state = self.state
         if func is aten.record_stream.default:  # not a kernel: tells the allocator
             storage = _storage(args[0])
@@ -500,11 +502,31 @@ class _Sanitizer:
         _C._set_gpu_trace(True)
         self.state, self.mode = state, _SanitizerMode(state)
         self.mode.__enter__()
+        self._follow_new_threads()
+
+    # [docs:start SANITIZER_THREADS]
+    def _follow_new_threads(self) -> None:
+        """Host threads the program starts from now on get the mode too (a dispatch mode is per
+        thread): their operators are the host's, on the one host timeline, so a thread reading
+        the result of another thread's non_blocking copy to the host before anyone synchronized
+        is reported as a host read of memory the stream writes."""
+        mode, previous = self.mode, threading.getprofile()
+
+        def start(frame, event, arg):  # runs once, at the new thread's first call
+            sys.setprofile(previous)
+            if _sanitizer.mode is mode:
+                _push_mode(mode)
+            return previous(frame, event, arg) if previous is not None else None
+
+        self._previous_profile = previous
+        threading.setprofile(start)
+    # [docs:end SANITIZER_THREADS]
 
     def disable(self) -> None:
         if self.mode is None:
             return
         _C._set_gpu_trace(False)
+        threading.setprofile(getattr(self, "_previous_profile", None))
         for registry in _gpu_trace.ALL:
             registry.callback_list.clear()
         mode, self.mode, self.state = self.mode, None, None
@@ -515,9 +537,9 @@ _sanitizer = _Sanitizer()
 
 
 def enable() -> None:
-    """Turns the sanitizer on for the rest of the program (on this thread and the autograd
-    threads its backward passes use). Enable it before the work to check: memory allocated before
-    has no allocation trace."""
+    """Turns the sanitizer on for the rest of the program (on this thread, the autograd threads
+    its backward passes use and the threads started from now on). Enable it before the work to
+    check: memory allocated before has no allocation trace."""
     _sanitizer.enable()
 
 

@@ -316,6 +316,10 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
     else targets.push_back(replay_arg(results[r], ReplayOn::Cpu));
   }
 
+  // A replay runs each kernel with the OpenMP thread count of the thread that captured it (a
+  // captured backward: the autograd device thread's one thread), as the eager run did.
+  const int threads = kernel_thread_count();
+
   // Functional operator with only tensor results: replay its out= overload into the targets.
   std::optional<c10::OperatorHandle> out_op;
   if (on == ReplayOn::Cpu && fresh.size() == num_returns && num_returns > 0) {
@@ -333,9 +337,10 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
     what += "(" + a + ", out=" + rs + ")";
     capture_record(capture, std::move(what),
                    [op = *out_op, replay_args = std::move(replay_args),
-                    generators = std::move(generators), device]() {
+                    generators = std::move(generators), device, threads]() {
       c10::Stack s(replay_args.begin(), replay_args.end());
       for (const auto& [i, gen] : generators) s[i] = cpu_generator_for(gen, device);
+      KernelThreadCount same_threads(threads);
       KernelScope kernel;
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &s);
     });
@@ -356,10 +361,11 @@ void capture_op(Capture* capture, const c10::OperatorHandle& op, c10::Stack* sta
   capture_record(capture, std::move(what),
                  [op, replay_args = std::move(replay_args), generators = std::move(generators),
                   targets = std::move(targets), fresh = std::move(fresh), device, on,
-                  num_returns]() {
+                  num_returns, threads]() {
     c10::Stack s(replay_args.begin(), replay_args.end());
     for (const auto& [i, gen] : generators)
       if (on == ReplayOn::Cpu) s[i] = cpu_generator_for(gen, device);
+    KernelThreadCount same_threads(threads);
     KernelScope kernel;
     op.redispatchBoxed(c10::DispatchKeySet(on == ReplayOn::Cpu ? c10::DispatchKey::CPU
                                                                : c10::DispatchKey::PrivateUse1),

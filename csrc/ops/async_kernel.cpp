@@ -184,11 +184,22 @@ void queue(Stream* s, ActivityKind kind, size_t bytes, std::function<void()> wor
   }
   const int device = stream_device(s);
   const int64_t id = stream_id(s);
-  stream_enqueue_kernel(s, [work = std::move(work), issuer, kind, bytes, device, id] {
-    // One OpenMP thread on the stream's worker (cpu_kernel.cpp, KERNEL_THREADS): with a team of
-    // its own, the process would have two, and libgomp shortens every team's spinning (the CPU's
-    // own MLP step in the same process took 2.0-2.4 ms instead of 1.0-1.7).
-    configure_kernel_thread();
+  // [docs:start ASYNC_THREADS]
+  // The kernel runs with the OpenMP thread count of the thread that issued it, as it would have
+  // run on that thread in the default mode (cpu_kernel.cpp, KERNEL_THREADS): the count is part of
+  // the result, so a signature's first call (run synchronously, on the caller) and its queued
+  // calls give the same bits (docs/determinism.md).
+  // OPENREG_ASYNC_OMP_THREADS=<n> gives every queued kernel n threads instead: faster where the
+  // program also runs its own CPU work (one OpenMP team in the process, not two), at the price of
+  // results that differ in the last bits from the default mode's (docs/determinism.md).
+  static const int forced = [] {
+    const char* env = std::getenv("OPENREG_ASYNC_OMP_THREADS");
+    return env != nullptr ? std::atoi(env) : 0;
+  }();
+  const int threads = forced > 0 ? forced : kernel_thread_count();
+  stream_enqueue_kernel(s, [work = std::move(work), issuer, kind, bytes, device, id, threads] {
+    use_kernel_thread_count(threads);
+    // [docs:end ASYNC_THREADS]
     const int64_t start = issuer.start_ns != 0 ? activity_clock_ns() : 0;
     work();
     if (start != 0)

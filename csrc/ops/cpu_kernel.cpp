@@ -871,9 +871,15 @@ void set_kernel_thread_count(int threads) {
 // 1). So kernels on the autograd threads run with one OpenMP thread: no second team exists.
 // (Giving large kernels the full team was measured too: it sped up the CNN's convolution
 // backward, but the second team's spinning then slowed the rest of the process 2x.)
-// OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting. A stream's
-// worker thread (asynchronous mode, docs/async_mode.md) runs its kernels with one OpenMP thread
-// for the same reason.
+// OPENREG_AUTOGRAD_OMP_THREADS=<n> sets another count; 0 leaves torch's setting.
+//
+// The count is part of a kernel's result: a reduction or a matmul split over 2 threads rounds
+// differently from the same kernel on 1 (docs/determinism.md). So a kernel that runs on another
+// thread than the one that issued it runs with the issuing thread's count: a stream's worker
+// (asynchronous mode, docs/async_mode.md) runs a kernel queued by the caller with the caller's
+// count and one queued by an autograd device thread with one thread; a graph's replay runs each
+// kernel with the count of the thread that captured it. A stream's worker starts with one
+// thread, for the work it runs that no thread issued as a kernel (copies).
 void configure_kernel_thread() {
   thread_local bool configured = false;
   if (configured) return;
@@ -887,6 +893,29 @@ void configure_kernel_thread() {
   if (const char* env = std::getenv("OPENREG_AUTOGRAD_OMP_THREADS")) threads = std::atoi(env);
   if (threads <= 0) return;
   set_kernel_thread_count(threads);
+}
+
+int kernel_thread_count() {
+  configure_kernel_thread();
+  return at::get_num_threads();  // this thread's OpenMP count (omp_get_max_threads)
+}
+
+void use_kernel_thread_count(int threads) {
+  thread_local int current = 0;
+  if (current == 0) current = kernel_thread_count();
+  if (threads == current || threads <= 0) return;
+  set_kernel_thread_count(threads);
+  current = threads;
+}
+
+KernelThreadCount::KernelThreadCount(int threads) {
+  const int now = kernel_thread_count();
+  if (threads <= 0 || threads == now) return;
+  set_kernel_thread_count(threads);
+  previous_ = now;
+}
+KernelThreadCount::~KernelThreadCount() {
+  if (previous_ > 0) set_kernel_thread_count(previous_);
 }
 // [docs:end KERNEL_THREADS]
 

@@ -24,6 +24,26 @@ namespace openreg {
 // the autograd worker threads and the stream workers (cpu_kernel.cpp, KERNEL_THREADS).
 void configure_kernel_thread();
 
+// The OpenMP thread count the calling thread's kernels run with (configures the thread first).
+// A kernel that runs on another thread than the one that issued it (a stream's worker in the
+// asynchronous mode, a graph's replay) takes the issuing thread's count with it: the count is
+// part of a kernel's result (docs/determinism.md).
+int kernel_thread_count();
+// On a thread that runs kernels issued by other threads (a stream's worker): its next kernels run
+// with `threads` OpenMP threads. Cheap when the count does not change.
+void use_kernel_thread_count(int threads);
+// The same for a scope: the previous count comes back at its end (a graph replay on the caller).
+class KernelThreadCount {
+ public:
+  explicit KernelThreadCount(int threads);
+  ~KernelThreadCount();
+  KernelThreadCount(const KernelThreadCount&) = delete;
+  KernelThreadCount& operator=(const KernelThreadCount&) = delete;
+
+ private:
+  int previous_ = 0;  // 0: unchanged
+};
+
 class HostKernel {
  public:
   explicit HostKernel(int device, int memo_site = -1)

@@ -30,6 +30,7 @@
 #include <ATen/native/ConvUtils.h>
 #include <ATen/native/DispatchStub.h>
 #include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice_native.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -602,11 +603,26 @@ const char* fused_attention_unsupported(const at::Tensor& q, const at::Tensor& k
 // [docs:start SDP_CHOICE]
 // scaled_dot_product_attention asks the device's _fused_sdp_choice_stub which backend to run.
 // openreg has one fused backend, "overrideable"; the user can disable it (or math) with
-// torch.nn.attention.sdpa_kernel.
+// torch.nn.attention.sdpa_kernel. With the default settings openreg follows the CPU's own choice
+// for the same inputs, so that its results are the CPU's bit for bit (docs/determinism.md): where
+// the CPU runs its flash-attention kernel, openreg runs the overrideable backend, which runs that
+// kernel with the same arguments on the device memory (host_flash_supports); where the CPU runs
+// the math backend (dropout, a value head size of its own, a mask that requires grad, non-unit
+// last strides; on torch 2.13 also unbatched inputs), so does openreg. The CPU's choice reads
+// only the tensors' metadata, so it takes the device tensors as they are.
 int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask, double dropout_p,
                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
   auto& ctx = at::globalContext();
+  if (ctx.userEnabledOverrideableSDP() && ctx.userEnabledFlashSDP() && ctx.userEnabledMathSDP()) {
+    const int64_t cpu = at::native::_fused_sdp_choice_cpp(query, key, value, attn_mask, dropout_p,
+                                                          is_causal, scale, enable_gqa);
+    if (cpu == static_cast<int64_t>(at::SDPBackend::flash_attention) &&
+        fused_attention_unsupported(query, key, value, attn_mask, is_causal, enable_gqa) ==
+            nullptr)
+      return static_cast<int64_t>(at::SDPBackend::overrideable);
+    return static_cast<int64_t>(at::SDPBackend::math);
+  }
   const char* why_not = fused_attention_unsupported(query, key, value, attn_mask, is_causal,
                                                     enable_gqa);
   // The math backend refuses a bad dropout_p with the CPU's message.
@@ -652,13 +668,14 @@ at::Tensor in_layout_of(const at::Tensor& o, const at::Tensor& like) {
   return r;
 }
 
-// The CPU's flash-attention kernels (forward and backward) cover the common case: no dropout, as
-// many key/value heads as query heads, one head size. openreg runs them on the device memory; the
-// general path covers the rest (dropout, grouped-query attention, a value head size of its own,
-// the gradient of attn_bias, float64 gradients from the float32 log-sum-exp).
+// The CPU's flash-attention kernels (forward and backward) cover the common case: no dropout,
+// query heads a multiple of key/value heads (grouped-query attention: the kernel maps them
+// itself, as on the CPU), one head size. openreg runs them on the device memory; the general
+// path covers the rest (dropout, a value head size of its own, the gradient of attn_bias,
+// float64 gradients from the float32 log-sum-exp).
 bool host_flash_supports(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          double dropout_p) {
-  return dropout_p == 0 && q.size(-3) == k.size(-3) && q.size(-1) == v.size(-1) &&
+  return dropout_p == 0 && q.size(-3) % k.size(-3) == 0 && q.size(-1) == v.size(-1) &&
          q.size(-2) > 0 && k.size(-2) > 0 && q.stride(-1) == 1 && k.stride(-1) == 1 &&
          v.stride(-1) == 1;
 }

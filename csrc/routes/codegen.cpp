@@ -1,5 +1,5 @@
 // Native because: the kernels torchgen's generated registration calls are C++ functions with the
-// declarations it generated (build/generated/PrivateUse1NativeFunctions.h).
+// declarations it generated (build/<torch build tag>/generated/PrivateUse1NativeFunctions.h).
 //
 // Route: torchgen external-backend codegen. csrc/routes/codegen.yaml lists operators; at build
 // time torchgen.gen_backend_stubs turns it into a header of kernel declarations (a struct of
@@ -10,7 +10,7 @@
 // openreg uses it for filling memory (torch.zeros, torch.full, zero_grad, optimizer states):
 // fill_ runs the CPU fill kernel on device memory, zero_ of a dense tensor is a memset.
 #include "adapters/graph.h"
-#include "build/generated/PrivateUse1NativeFunctions.h"
+#include "generated/PrivateUse1NativeFunctions.h"
 
 #include "ops/async_kernel.h"
 #include "ops/cpu_kernel.h"

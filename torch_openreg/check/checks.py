@@ -132,7 +132,8 @@ DEVICE_FUNCTIONS = ("is_available", "device_count", "current_device", "set_devic
 @check("device_module", "device module (torch.<name>): device functions and their types",
        required=True, guide="device.md",
        fix="register a module with torch._register_device_module(name, module) that defines "
-           "is_available, device_count, current_device, set_device, device, synchronize")
+           "is_available, device_count, current_device, set_device, device, synchronize, "
+           "is_initialized, get_device_name")
 def check_device_module(ctx: Context) -> str:
     m = ctx.need_functions(*DEVICE_FUNCTIONS)
     expect(isinstance(m.is_available(), bool) and m.is_available(), "is_available() is not True")
@@ -160,8 +161,8 @@ def check_device_module(ctx: Context) -> str:
 # --- torch.accelerator ----------------------------------------------------------------------------
 
 @check("accelerator", "torch.accelerator device-agnostic API", required=True, guide="accelerator.md",
-       fix="implement the PrivateUse1 hooks (isAvailable, deviceCount) and DeviceGuardImpl "
-           "(device, stream and synchronize entry points) in C++")
+       fix="implement the PrivateUse1 hooks (isAvailable, deviceCount) and a "
+           "DeviceGuardImplInterface (device, stream and synchronize entry points) in C++")
 def check_accelerator(ctx: Context) -> str:
     acc = torch.accelerator
     expect(acc.is_available(), "torch.accelerator.is_available() is False")
@@ -190,9 +191,10 @@ def check_accelerator(ctx: Context) -> str:
 # --- DeviceGuard ----------------------------------------------------------------------------------
 
 @check("device_guard", "DeviceGuard: current device and current stream are per thread",
-       required=True, guide="streams.md",
+       required=True, guide="accelerator.md",
        fix="implement c10::impl::DeviceGuardImplInterface (getDevice/setDevice/exchangeDevice, "
-           "getStream/exchangeStream with a thread-local current stream) and register it with "
+           "getStream/exchangeStream with a thread-local current stream, getNewStream for "
+           "torch.Stream(device=...)) and register it with "
            "C10_REGISTER_GUARD_IMPL(PrivateUse1, ...)")
 def check_device_guard(ctx: Context) -> str:
     acc = torch.accelerator
@@ -231,9 +233,9 @@ STREAM_FUNCTIONS = ("Stream", "Event", "current_stream", "default_stream", "set_
 
 @check("streams_events", "streams and events: ordering, query, timing", required=True,
        guide="streams.md",
-       fix="implement the stream/event entry points of DeviceGuardImpl (getNewStream, record, block, "
-           "queryEvent, elapsedTime, synchronizeEvent/Stream) and expose Stream, Event, "
-           "current_stream, default_stream, set_stream, stream in the device module")
+       fix="implement the stream/event entry points of DeviceGuardImplInterface (getNewStream, "
+           "record, block, queryEvent, elapsedTime, synchronizeEvent/Stream) and expose Stream, "
+           "Event, current_stream, default_stream, set_stream, stream in the device module")
 def check_streams_events(ctx: Context) -> str:
     m = ctx.need_functions(*STREAM_FUNCTIONS)
     dev = ctx.dev(0)
@@ -295,8 +297,8 @@ MEMORY_FUNCTIONS = ("memory_allocated", "max_memory_allocated", "memory_reserved
 @check("allocator", "device allocator statistics and empty_cache", required=True,
        guide="device_allocator.md",
        fix="derive the allocator from c10::DeviceAllocator (getDeviceStats, resetPeakStats, "
-           "emptyCache), register it with REGISTER_ALLOCATOR(PrivateUse1, ...) and expose "
-           "memory_allocated ... empty_cache in the device module")
+           "emptyCache), register it with c10::SetAllocator(c10::DeviceType::PrivateUse1, ...) "
+           "and expose memory_allocated ... empty_cache in the device module")
 def check_allocator(ctx: Context) -> str:
     m = ctx.need_functions(*MEMORY_FUNCTIONS)
     dev = ctx.dev(0)
@@ -352,8 +354,9 @@ def check_out_of_memory(ctx: Context) -> str:
 
 @check("pinned_memory", "pinned host memory and non_blocking copies", required=False,
        guide="host_allocator.md",
-       fix="implement the host allocator (at::HostAllocator, REGISTER_HOST_ALLOCATOR) and the "
-           "hooks isPinnedPtr / getPinnedMemoryAllocator")
+       fix="implement the host allocator (an at::HostAllocator registered with "
+           "at::setHostAllocator(c10::DeviceType::PrivateUse1, ...)) and the hooks isPinnedPtr / "
+           "getPinnedMemoryAllocator")
 def check_pinned_memory(ctx: Context) -> str:
     t = torch.arange(1024, dtype=torch.float32)
     p = t.pin_memory()
@@ -377,9 +380,10 @@ RANDOM_FUNCTIONS = ("manual_seed", "manual_seed_all", "seed", "initial_seed", "g
 
 @check("generators", "random generators: seeding, state round trip, per device", required=True,
        guide="generator.md",
-       fix="implement a device generator (at::GeneratorImpl) returned by the hooks' "
+       fix="implement a device generator (c10::GeneratorImpl) returned by the hooks' "
            "getDefaultGenerator/getNewGenerator, make random ops draw from it, and expose "
-           "manual_seed, get_rng_state, set_rng_state ... in the device module")
+           "manual_seed, manual_seed_all, _is_in_bad_fork, get_rng_state, set_rng_state ... in the "
+           "device module (torch.manual_seed calls manual_seed_all only if _is_in_bad_fork exists)")
 def check_generators(ctx: Context) -> str:
     m = ctx.need_functions(*RANDOM_FUNCTIONS)
     dev = ctx.dev(0)
@@ -402,6 +406,10 @@ def check_generators(ctx: Context) -> str:
     torch.manual_seed(99)
     y = torch.randn(16, device=dev)
     torch.manual_seed(99)
+    if not callable(getattr(m, "_is_in_bad_fork", None)):
+        expect(torch.equal(torch.randn(16, device=dev).cpu(), y.cpu()),
+               f"torch.manual_seed does not seed the device: it calls torch.{ctx.device}."
+               "manual_seed_all only if the module also defines", ["_is_in_bad_fork"])
     same(torch.randn(16, device=dev), y, "torch.manual_seed does not seed the device")
     torch.manual_seed(5)
     cpu_draw = torch.randn(16, device=dev)
@@ -443,12 +451,42 @@ def check_autocast(ctx: Context) -> str:
 
 # --- serialization --------------------------------------------------------------------------------
 
+def need_set_(dev: torch.device, overload: str, why: str) -> None:
+    """Raises CheckFailed naming the set_ overload when it fails or copies instead of sharing: a
+    fallback that runs set_ on a CPU copy leaves the tensor with memory of its own."""
+    t = torch.arange(4.0, device=dev)
+    try:
+        if overload == "set_.source_Storage":
+            u = torch.empty(0, device=dev).set_(t.untyped_storage())
+        else:
+            u = torch.empty(0, device=dev).set_(t.untyped_storage(), 1, (3,), (1,))
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise CheckFailed(f"{why}, and it raised {type(e).__name__}: {first}; the kernel missing is",
+                          [overload])
+    expect(u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(),
+           f"{why}, but it did not make the tensor use the storage (a copying fallback ran it?); "
+           "register a kernel for", [overload])
+
+
 @check("serialization", "torch.save / torch.load with map_location", required=True,
        guide="serialization.md",
-       fix="register the device module (torch.load restores storages through it) and, for "
+       fix="register the device module with a device(...) context manager that accepts a "
+           "torch.device (torch.load moves storages inside it), implement "
+           "set_.source_Storage_storage_offset (torch.load rebuilds every tensor with it) and, for "
            "backend metadata, the serialization hooks")
 def check_serialization(ctx: Context) -> str:
     last = ctx.dev(max(ctx.count - 1, 0))
+    m = ctx.need_functions("device")
+    try:
+        with m.device(last):
+            pass
+    except Exception as e:
+        raise CheckFailed(f"torch.load moves each storage inside `with torch.{ctx.device}.device"
+                          f"({last!r})`, which raised {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:100]}", ["device(torch.device)"])
+    need_set_(last, "set_.source_Storage_storage_offset",
+              "torch.load rebuilds every tensor with set_(storage, offset, size, stride)")
     t = torch.arange(6.0, device=last).view(2, 3)
     buf = io.BytesIO()
     torch.save({"t": t, "v": t[1]}, buf)
@@ -471,10 +509,13 @@ def check_serialization(ctx: Context) -> str:
 # --- storage --------------------------------------------------------------------------------------
 
 @check("storage", "storages: UntypedStorage methods and resize_", required=True, guide="storage.md",
-       fix="implement resizePrivateUse1Bytes in the PrivateUse1 hooks (storage resize_) and the "
-           "resize_ / set_ kernels")
+       fix="implement resizePrivateUse1Bytes in the PrivateUse1 hooks (storage resize_), the "
+           "resize_ kernel and set_.source_Storage (storage copy_, clone and cpu view storages as "
+           "tensors with it)")
 def check_storage(ctx: Context) -> str:
     dev = ctx.dev(0)
+    need_set_(dev, "set_.source_Storage",
+              "storage copy_, clone() and cpu() view each storage as a tensor with set_(storage)")
     t = torch.arange(4.0, device=dev)
     s = t.untyped_storage()
     expect(s.device == dev, f"untyped_storage().device is {s.device}")
@@ -568,8 +609,9 @@ os.waitpid(pid, 0)
 
 @check("fork_poisoning", "using the device in a forked child raises", required=False,
        guide="device.md",
-       fix="register an os.register_at_fork(after_in_child=...) handler at lazy init that marks "
-           "the child so its first device call raises 'Cannot re-initialize ... in forked subprocess'")
+       fix="at lazy init, register a fork handler (pthread_atfork in C++, os.register_at_fork in "
+           "Python) that marks the child so its first device call raises 'Cannot re-initialize ... "
+           "in forked subprocess'")
 def check_fork_poisoning(ctx: Context) -> str:
     if not hasattr(os, "fork"):
         return "not applicable: no fork on this platform"
@@ -625,6 +667,8 @@ def _minimal_cases(dev: torch.device) -> dict[str, Callable[[], None]]:
         t = torch.arange(4.0, device=dev)
         u = torch.empty(0, device=dev).set_(t.untyped_storage(), 1, (3,), (1,))
         same(u, torch.arange(1.0, 4.0), "set_(storage, offset, size, stride)")
+        expect(u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(),
+               "set_ did not make the tensor use the storage")
 
     def local_scalar_dense():
         expect(torch.tensor(3, device=dev).item() == 3, "_local_scalar_dense")
@@ -644,7 +688,8 @@ def _minimal_cases(dev: torch.device) -> dict[str, Callable[[], None]]:
 @check("minimal_ops", "minimal operator set (allocation, views, set_/resize_, copy, scalars)",
        required=True, guide="minimal_ops.md",
        fix="register PrivateUse1 kernels for empty.memory_format, empty_strided, as_strided, view, "
-           "set_, resize_, _copy_from, _local_scalar_dense, fill_ (plus a fallback for the rest)")
+           "_reshape_alias, set_ (4 overloads), resize_, _copy_from, _copy_from_and_resize, and a "
+           "fallback for the rest (at::native::cpu_fallback to start with)")
 def check_minimal_ops(ctx: Context) -> str:
     failed = []
     cases = _minimal_cases(ctx.dev(0))
@@ -664,30 +709,70 @@ OPINFO_SAMPLE = ("add", "mul", "div", "exp", "sigmoid", "sum", "mean", "amax", "
 
 @check("opinfo_sample", "a sample of OpInfo operators against the CPU", required=False,
        guide="fallback.md",
-       fix="implement the failing operators (or a fallback that runs them) for PrivateUse1")
+       fix="implement the failing operators (or a fallback that runs them) for PrivateUse1; an "
+           "operator with a CompositeExplicitAutograd kernel never reaches the fallback and needs "
+           "a PrivateUse1 kernel of its own to match the CPU")
 def check_opinfo_sample(ctx: Context) -> str:
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {op.name: op for op in op_db if op.name in OPINFO_SAMPLE and not op.variant_test_name}
-    dev, failed, compared = ctx.dev(0), [], 0
+    dev, failed, details, compared = ctx.dev(0), [], [], 0
     for name in OPINFO_SAMPLE:
         op = ops.get(name)
         if op is None:
             continue
-        try:
-            for i, sample in enumerate(op.sample_inputs("cpu", torch.float32)):
-                if i == 3:
-                    break
+        for i, sample in enumerate(op.sample_inputs("cpu", torch.float32)):
+            if i == 3:
+                break
+            try:
                 expected = op(sample.input, *sample.args, **sample.kwargs)
                 moved = sample.transform(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t)
-                got = op(moved.input, *moved.args, **moved.kwargs)
-                for g, e in zip(_flat(got), _flat(expected)):
-                    torch.testing.assert_close(g.cpu(), e, equal_nan=True)
-                compared += 1
-        except Exception as e:
-            failed.append(f"{name} ({type(e).__name__})")
-    expect(not failed, "operators that differ from the CPU or fail", failed)
+                problem = None
+                for g, e in zip(_flat(op(moved.input, *moved.args, **moved.kwargs)), _flat(expected)):
+                    problem = problem or _difference(g.cpu(), e)
+            except Exception as e:
+                problem = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+            if problem:
+                failed.append(name)
+                details.append(f"{name} sample {i} {_describe(sample)}: {problem}")
+                break
+            compared += 1
+    if failed:
+        err = CheckFailed("operators that differ from the CPU or fail: " + "; ".join(details))
+        err.missing = failed
+        raise err
     return f"{len(ops)} ops, {compared} samples equal to the CPU"
+
+
+# torch.testing.assert_close's default tolerances for float32, the dtype of the samples.
+OPINFO_RTOL, OPINFO_ATOL = 1.3e-6, 1e-5
+
+
+def _difference(got: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """None when ``got`` is close to ``expected``, otherwise what differs and by how much."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return (f"got {got.dtype} {tuple(got.shape)}, expected {expected.dtype} "
+                f"{tuple(expected.shape)}")
+    if torch.allclose(got, expected, rtol=OPINFO_RTOL, atol=OPINFO_ATOL, equal_nan=True):
+        return None
+    g, e = got.double(), expected.double()
+    diff = (g - e).abs().masked_fill(g.isnan() & e.isnan(), 0).nan_to_num(nan=float("inf"))
+    return (f"largest difference {diff.max().item():.3g} (at tolerance rtol={OPINFO_RTOL:g}, "
+            f"atol={OPINFO_ATOL:g})")
+
+
+def _describe(sample: Any) -> str:
+    """The sample's arguments in short: tensors by shape and dtype, the rest by value."""
+    def short(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(short(v) for v in x[:3]) + (", ..." if len(x) > 3 else "")
+            return f"[{inner}]"
+        return repr(x)[:24]
+    args = [short(sample.input)] + [short(a) for a in sample.args]
+    args += [f"{k}={short(v)}" for k, v in sample.kwargs.items()]
+    return f"({', '.join(args)})"
 
 
 def _flat(x: Any) -> list[torch.Tensor]:
@@ -702,8 +787,9 @@ def _flat(x: Any) -> list[torch.Tensor]:
 
 @check("autograd", "autograd: gradients like the CPU, backward on the device thread", required=True,
        guide="autograd.md",
-       fix="the autograd engine starts one worker thread per device reported by DeviceGuardImpl's "
-           "deviceCount(); backward kernels must exist for the device (or the fallback must run them)")
+       fix="the autograd engine starts one worker thread per device reported by "
+           "DeviceGuardImplInterface::deviceCount(); backward kernels must exist for the device (or "
+           "the fallback must run them)")
 def check_autograd(ctx: Context) -> str:
     threads = []
 

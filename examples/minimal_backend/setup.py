@@ -1,0 +1,21 @@
+"""Builds minidev's native part in place: `python setup.py build_ext --inplace` (nothing installed).
+
+No `torch.backends` entry point on purpose: minidev is imported explicitly (`import minidev`), so it
+never competes with an autoloaded backend (openreg) for PrivateUse1.
+"""
+# [docs:start SETUP]
+import os
+
+# torch must not autoload another backend (openreg) while this builds
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+
+setup(
+    name="minidev",
+    packages=["minidev"],
+    ext_modules=[CppExtension("minidev._C", ["minidev.cpp"], extra_compile_args=["-O2"])],
+    cmdclass={"build_ext": BuildExtension},
+)
+# [docs:end SETUP]

@@ -1,0 +1,199 @@
+"""The catalogue of PrivateUse1 gaps (docs/privateuse1_gaps.md): places in torch and in libraries
+where a backend outside torch's own list of devices is left out. Each test pins today's
+behaviour, so it fails, saying so, the day the gap is closed upstream: then the catalogue entry
+(and the workaround in openreg, if any) must be updated.
+"""
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pytest
+import torch
+
+# Installed by the Makefile: a missing library fails here, it is not skipped.
+import accelerate  # noqa: F401
+import peft  # noqa: F401
+import transformers
+
+CLOSED = "gap closed upstream, update docs/privateuse1_gaps.md: "
+
+
+def run(args, cwd, env_extra=None):
+    # Without CI: under CI (any value) PyTorch's run_tests() writes JUnit XML through xmlrunner
+    # instead of the -v lines read here (docs/test_suites.md).
+    env = {k: v for k, v in os.environ.items() if k != "CI"
+           and not k.startswith(("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING"))}
+    env.update(HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+# [docs:start GAP_FLEX_ATTENTION]
+def test_flex_attention_refuses_privateuse1_devices():
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.randn(1, 2, 8, 4, device="openreg")
+    try:
+        flex_attention(q, q, q)
+    except ValueError as e:
+        assert "Found input tensors on openreg device" in str(e)
+    else:
+        pytest.fail(CLOSED + "flex_attention runs on openreg")
+# [docs:end GAP_FLEX_ATTENTION]
+
+
+def _modeling_common_source(tmp_path_factory):
+    """transformers' tests/test_modeling_common.py of the installed release: the wheel does not
+    ship the tests, the source distribution on PyPI does."""
+    folder = tmp_path_factory.mktemp("transformers_sdist")
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", "-d", str(folder), f"transformers=={transformers.__version__}"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"cannot download transformers' source distribution: {r.stderr[-300:]}")
+    archive = next(folder.glob("transformers-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("/tests/test_modeling_common.py"))
+        return io.TextIOWrapper(tar.extractfile(member), encoding="utf-8").read()
+
+
+def test_transformers_sdpa_tolerance_table_knows_device_names(tmp_path_factory):
+    """`_test_eager_matches_sdpa_inference` picks its tolerances by device name; any other
+    device gets atol=1e-7, where the CPU gets 5e-3 in float16."""
+    source = _modeling_common_source(tmp_path_factory)
+    body = source[source.index("def _test_eager_matches_sdpa_inference"):]
+    body = body[:body.index("\ndef ")]
+    assert 'if torch_device in ["cpu", "cuda"]:' in body, CLOSED + "the table is chosen otherwise"
+    tail = body[body.index('elif torch_device == "xpu":'):]
+    assert "else:\n                atol = 1e-7" in tail, CLOSED + "other devices get other tolerances"
+    assert "openreg" not in body and "privateuse1" not in body.lower()
+    assert '("cpu", False, torch.float16): 5e-3' in body
+
+
+def test_accelerate_test_utils_know_a_fixed_device_list():
+    from accelerate.test_utils.testing import get_backend
+    device, count, _ = get_backend()
+    assert (device, count) == ("cpu", 1), CLOSED + f"accelerate's tests pick {device}"
+    assert torch.accelerator.current_accelerator().type == "openreg"
+
+
+def test_peft_infer_device_knows_a_fixed_device_list():
+    from peft.utils.other import infer_device
+    assert infer_device() == "cpu", CLOSED + f"peft picks {infer_device()}"
+
+
+SAMPLE = '''
+import torch
+from torch.testing._internal.common_device_type import instantiate_device_type_tests
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+
+class TestSample(TestCase):
+    def test_ones(self, device):
+        self.assertEqual(torch.ones(2, device=device).sum().item(), 2)
+
+
+instantiate_device_type_tests(TestSample, globals(), {only_for})
+
+if __name__ == "__main__":
+    run_tests()
+'''
+
+
+def generated(tmp_path, only_for, env):
+    (tmp_path / "test_sample.py").write_text(SAMPLE.format(only_for=only_for))
+    r = run(["test_sample.py", "-v"], tmp_path, env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return sorted(line.split(" ")[1].strip("()") for line in r.stderr.splitlines()
+                  if line.startswith("test_"))
+
+
+def test_pytorch_testing_device_for_custom(tmp_path):
+    """A file that instantiates its tests only for CUDA (`only_for="cuda"`) is meant to run on a
+    custom device with PYTORCH_TESTING_DEVICE_FOR_CUSTOM. Before torch 2.15 the variable is
+    compared with the test base's device type, which is "privateuse1" before the first test class
+    is set up and the backend's name after: `openreg` never matches."""
+    tests = generated(tmp_path, 'only_for="cuda"', {"PYTORCH_TESTING_DEVICE_FOR_CUSTOM": "openreg"})
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if release < (2, 15):
+        assert tests == [], CLOSED + f"torch {torch.__version__} honours it: {tests}"
+    else:
+        assert tests == ["__main__.TestSamplePRIVATEUSE1.test_ones_openreg"], tests
+
+
+def test_torch_test_devices_adds_beside_the_builtin_privateuse1_base(tmp_path):
+    """A test base given in TORCH_TEST_DEVICES for the backend is added next to PyTorch's own
+    PrivateUse1TestBase (already a base once the backend is registered): every test is generated
+    twice, and the built-in copy ignores the test base's exclusions. openreg's test base removes
+    the built-in one (torch_openreg/testing/pytorch_test_base.py)."""
+    base = tmp_path / "plain_base.py"
+    base.write_text("class PlainBase(PrivateUse1TestBase):\n    pass\n\nTEST_CLASS = PlainBase\n")
+    tests = generated(tmp_path, "", {"TORCH_TEST_DEVICES": str(base),
+                                     "PYTORCH_TESTING_DEVICE_ONLY_FOR": "openreg"})
+    assert len(tests) == 2, CLOSED + f"generated once: {tests}"
+    assert {t.split(".")[-1] for t in tests} == {"test_ones_openreg"}
+
+
+# [docs:start GAP_SPEC_PATH]
+@pytest.mark.parametrize("module", ["transformers.testing_utils", "diffusers.utils.testing_utils"])
+def test_device_spec_is_imported_by_bare_file_name(tmp_path, module):
+    """TRANSFORMERS_TEST_DEVICE_SPEC / DIFFUSERS_TEST_DEVICE_SPEC: a path with a folder is turned
+    into the module name "/that/folder/spec", which cannot be imported."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "my_spec.py").write_text(
+        "import torch\nDEVICE_NAME = 'openreg'\nMANUAL_SEED_FN = torch.openreg.manual_seed\n"
+        "EMPTY_CACHE_FN = torch.openreg.empty_cache\nDEVICE_COUNT_FN = torch.openreg.device_count\n")
+    prefix = module.split(".")[0].upper()
+    r = run(["-c", f"import {module} as t; print(t.torch_device)"], tmp_path,
+            {f"{prefix}_TEST_DEVICE_SPEC": "sub/my_spec.py"})
+    assert r.returncode != 0, CLOSED + f"a spec in a folder works: {r.stdout}"
+    assert "No module named 'sub/my_spec'" in r.stderr
+# [docs:end GAP_SPEC_PATH]
+
+
+def test_transformers_spec_cannot_name_synchronize_or_memory_functions(tmp_path):
+    """transformers reads three functions from a spec (seed, empty cache, device count); its
+    other device tables (synchronize, memory allocated, peak memory, the device module) keep
+    their defaults for any other device: no-ops and 0."""
+    from torch_openreg import testing
+    testing.write_spec("transformers", tmp_path)
+    r = run(["-c", textwrap.dedent("""
+        import torch
+        from transformers import testing_utils as t
+        x = torch.ones(1 << 16, device="openreg")
+        print(t.torch_device, t.backend_memory_allocated("openreg"),
+              torch.openreg.memory_allocated() > 0, t.backend_synchronize("openreg"),
+              t.backend_torch_accelerator_module("openreg"))
+    """)], tmp_path, {"TRANSFORMERS_TEST_DEVICE_SPEC": testing.SPEC_FILE})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["openreg", "0", "True", "None", "None"], (
+        CLOSED + f"transformers now reads more from a spec: {r.stdout}")
+
+
+# [docs:start GAP_REDUCE_OVERHEAD]
+def test_reduce_overhead_cudagraphs_are_cuda_only():
+    """torch.compile(mode="reduce-overhead") wraps the compiled graph in cudagraph trees only when
+    all its nodes are on one device of a type Inductor lists: "cuda" (torch 2.13 and 2.14 compare
+    with the literal; 2.15 keeps the list in _CUDAGRAPH_SUPPORTED_DEVICE_TYPES). Any other device is
+    skipped like a mix of devices, and silently where the device is not a GPU to Dynamo."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_utils
+
+    node = next(iter(torch.fx.symbolic_trace(lambda x: x + 1).graph.nodes))
+    reason = cudagraph_utils.check_multiple_devices_or_any_cpu_nodes({torch.device("openreg", 0): node})
+    assert reason is not None, CLOSED + "Inductor accepts cudagraphs on openreg"
+    assert reason == "skipping cudagraphs due to multiple devices: device(type='openreg', index=0)"
+    assert cudagraph_utils.check_multiple_devices_or_any_cpu_nodes(
+        {torch.device("cuda", 0): node}) is None  # the one device type it takes
+    # What a user sees: the compiled function runs, without a graph and without a word (the skip is
+    # logged only for GPU devices), and only Inductor's counter records it.
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: (x * 2 + 1).sum(), mode="reduce-overhead")
+    x = torch.arange(8.0, device="openreg")
+    assert f(x).item() == f(x).item() == 64.0
+    assert counters["inductor"]["cudagraph_skips"] == 1, CLOSED + dict(counters["inductor"]).__repr__()
+    torch._dynamo.reset()
+# [docs:end GAP_REDUCE_OVERHEAD]

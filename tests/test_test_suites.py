@@ -1,0 +1,332 @@
+"""The test suites people already have run on openreg (docs/test_suites.md): transformers' and
+diffusers' testing utilities pick openreg through the device spec shipped in the package, PyTorch's
+device-generic tests through the test base for TORCH_TEST_DEVICES, and a setting that would not
+test openreg fails with the variable and the fix instead of testing the CPU.
+
+Each suite reads its variables once per process, at import: every case runs in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+# Installed by the Makefile: a missing library fails here, it is not skipped.
+import diffusers  # noqa: F401
+import transformers  # noqa: F401
+
+from torch_openreg import testing
+import torch_behaviour
+
+SUITE_VARIABLES = ("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING_DEVICE")
+
+
+def run(args, cwd, env_extra=None, timeout=300):
+    # Without CI: under CI (any value) PyTorch's run_tests() writes JUnit XML through xmlrunner
+    # instead of the -v lines read here (docs/test_suites.md).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_VARIABLES) and k != "CI"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error",
+               PYTHONWARNINGS="ignore", **(env_extra or {}))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=timeout)
+
+
+def run_json(code, cwd, env_extra=None):
+    r = run(["-c", textwrap.dedent(code)], cwd, env_extra)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# What a suite's helpers did on the device, seen through openreg's own state: the seed of the
+# current device (the CPU generator is seeded otherwise, to tell them apart), the cache emptied
+# (memory reserved by a freed tensor given back), the device count (3 devices in these runs,
+# where the libraries' fallback answers 1 or 0).
+PROBE = """
+import json, torch
+torch.manual_seed(7)
+x = torch.ones(1 << 20, device=torch_device)
+del x
+reserved_before = torch.openreg.memory_reserved()
+backend_manual_seed(torch_device, 1234)
+backend_empty_cache(torch_device)
+out = {"device": torch_device, "seed": torch.openreg.initial_seed(), "cpu_seed": torch.initial_seed(),
+       "reserved_before": reserved_before, "reserved_after": torch.openreg.memory_reserved(),
+       "count": backend_device_count(torch_device),
+       "same_functions": [BACKEND_MANUAL_SEED[torch_device] is torch.openreg.manual_seed,
+                          BACKEND_EMPTY_CACHE[torch_device] is torch.openreg.empty_cache,
+                          BACKEND_DEVICE_COUNT[torch_device] is torch.openreg.device_count]}
+"""
+
+
+def write_spec_with_cli(suite, folder):
+    r = run(["-m", "torch_openreg.testing", "spec", suite], folder)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == testing.SPEC_FILE
+    assert (folder / testing.SPEC_FILE).is_file()
+
+
+def test_transformers_testing_utils_pick_openreg_through_the_spec(tmp_path):
+    write_spec_with_cli("transformers", tmp_path)
+    out = run_json("""
+from transformers.testing_utils import (BACKEND_DEVICE_COUNT, BACKEND_EMPTY_CACHE,
+    BACKEND_MANUAL_SEED, backend_device_count, backend_empty_cache, backend_manual_seed,
+    torch_device)
+""" + PROBE + "print(json.dumps(out))", tmp_path,
+        {"TRANSFORMERS_TEST_DEVICE_SPEC": testing.SPEC_FILE, "OPENREG_DEVICE_COUNT": "3"})
+    assert out["device"] == "openreg"
+    assert out["same_functions"] == [True, True, True]
+    assert (out["seed"], out["cpu_seed"]) == (1234, 7)
+    assert out["reserved_before"] > 0 and out["reserved_after"] == 0
+    assert out["count"] == 3
+
+
+def test_diffusers_testing_utils_pick_openreg_through_the_spec(tmp_path):
+    write_spec_with_cli("diffusers", tmp_path)
+    out = run_json("""
+from diffusers.utils.testing_utils import (BACKEND_DEVICE_COUNT, BACKEND_EMPTY_CACHE,
+    BACKEND_MANUAL_SEED, BACKEND_MAX_MEMORY_ALLOCATED, BACKEND_SUPPORTS_TRAINING,
+    backend_device_count, backend_empty_cache, backend_manual_seed, torch_device)
+""" + PROBE + """
+out["training"] = BACKEND_SUPPORTS_TRAINING[torch_device]
+out["max_memory_allocated"] = BACKEND_MAX_MEMORY_ALLOCATED[torch_device] is torch.openreg.max_memory_allocated
+print(json.dumps(out))
+""", tmp_path, {"DIFFUSERS_TEST_DEVICE_SPEC": testing.SPEC_FILE, "OPENREG_DEVICE_COUNT": "3"})
+    assert out["device"] == "openreg"
+    assert out["same_functions"] == [True, True, True] and out["max_memory_allocated"]
+    assert (out["seed"], out["cpu_seed"]) == (1234, 7)
+    assert out["reserved_before"] > 0 and out["reserved_after"] == 0
+    assert out["count"] == 3 and out["training"] is True
+
+
+SUITE_MODULES = {"transformers": "transformers.testing_utils",
+                 "diffusers": "diffusers.utils.testing_utils"}
+
+
+MISTAKES = ["backend only", "spec with a folder", "spec not here"]
+
+
+def mistaken_environment(tmp_path, suite, mistake):
+    prefix = testing.SPEC_VARIABLES[suite]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    testing.write_spec(suite, elsewhere)
+    return {
+        "backend only": {f"{prefix}_TEST_BACKEND": "torch_openreg"},
+        "spec with a folder": {f"{prefix}_TEST_DEVICE_SPEC": str(elsewhere / testing.SPEC_FILE)},
+        "spec not here": {f"{prefix}_TEST_DEVICE_SPEC": testing.SPEC_FILE},
+    }[mistake]
+
+
+def assert_names_variable_and_fix(message, suite, variable):
+    assert variable in message
+    assert f"python -m torch_openreg.testing spec {suite}" in message
+    assert f"{testing.SPEC_VARIABLES[suite]}_TEST_DEVICE_SPEC={testing.SPEC_FILE}" in message
+
+
+@pytest.mark.parametrize("suite", ["transformers", "diffusers"])
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_each_mistaken_setting_is_refused(tmp_path, suite, mistake):
+    env = mistaken_environment(tmp_path, suite, mistake)
+    with pytest.raises(testing.SuiteConfigError) as info:
+        testing._check_suite_environment(env, cwd=tmp_path)
+    assert_names_variable_and_fix(str(info.value), suite, next(iter(env)))
+    # The right setting passes the same check.
+    testing.write_spec(suite, tmp_path)
+    testing._check_suite_environment(
+        {f"{testing.SPEC_VARIABLES[suite]}_TEST_DEVICE_SPEC": testing.SPEC_FILE,
+         f"{testing.SPEC_VARIABLES[suite]}_TEST_BACKEND": "torch_openreg"}, cwd=tmp_path)
+    # A spec that is not openreg's is the suite's business.
+    testing._check_suite_environment(
+        {f"{testing.SPEC_VARIABLES[suite]}_TEST_DEVICE_SPEC": "/x/npu_spec.py"}, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("suite,mistake", [("transformers", "backend only"),
+                                           ("diffusers", "spec with a folder")])
+def test_a_wrong_or_missing_spec_stops_the_suite_before_it_picks_the_cpu(tmp_path, suite, mistake):
+    env = mistaken_environment(tmp_path, suite, mistake)
+    r = run(["-c", f"import {SUITE_MODULES[suite]} as t; print('DEVICE', t.torch_device)"],
+            tmp_path, env)
+    assert r.returncode != 0
+    assert "DEVICE" not in r.stdout  # the suite never got to choose a device: not the CPU
+    assert "SuiteConfigError" in r.stderr
+    assert_names_variable_and_fix(r.stderr, suite, next(iter(env)))
+
+
+def test_without_a_spec_the_libraries_test_the_cpu(tmp_path):
+    """What the check above guards against: told nothing, both suites pick the CPU silently,
+    although torch.accelerator is openreg."""
+    r = run(["-c", "import torch, transformers.testing_utils as t, diffusers.utils.testing_utils"
+             " as d; print(t.torch_device, d.torch_device, torch.accelerator.current_accelerator())"],
+            tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["cpu", "cpu", "openreg"]
+
+
+def test_torch_test_devices_naming_a_missing_test_base_fails(tmp_path):
+    r = run(["-c", "import torch"], tmp_path,
+            {"TORCH_TEST_DEVICES": str(tmp_path / "pytorch_test_base.py")})
+    assert r.returncode != 0
+    assert "TORCH_TEST_DEVICES" in r.stderr
+    assert "python -m torch_openreg.testing spec pytorch" in r.stderr
+
+
+def test_cli(tmp_path, capsys, monkeypatch):
+    from torch_openreg.testing.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["spec", "pytorch"]) == 0
+    assert capsys.readouterr().out.strip() == str(testing.TEST_BASE)
+    assert testing.TEST_BASE.is_file()
+    with pytest.raises(FileNotFoundError):  # no such folder: an error, not a silent pass
+        main(["spec", "diffusers", "--dir", str(tmp_path / "d")])
+    (tmp_path / testing.SPEC_FILE).write_text("DEVICE_NAME = 'mine'\n")
+    with pytest.raises(FileExistsError, match="not openreg's device spec"):
+        main(["spec", "transformers"])
+    assert (tmp_path / testing.SPEC_FILE).read_text() == "DEVICE_NAME = 'mine'\n"
+    with pytest.raises(SystemExit) as info:
+        main(["spec", "jax"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    assert main(["exclusions"]) == 0
+    out = capsys.readouterr().out
+    for cls, methods in testing.TEST_EXCLUSIONS.items():
+        for method, reason in methods.items():
+            dtypes = testing.TEST_EXCLUSION_DTYPES.get(cls, {}).get(method)
+            only = f" [{', '.join(str(d) for d in dtypes)}]" if dtypes else ""
+            assert f"{cls}.{method}{only}: {reason}" in out
+
+
+# A device-generic test file as PyTorch writes them. Its class is named after one of PyTorch's
+# so that the test base's exclusions apply to it: the excluded test expects CUDA's behaviour.
+GENERIC = '''
+import torch
+from torch.testing._internal.common_device_type import (dtypes, instantiate_device_type_tests,
+                                                        onlyNativeDeviceTypes)
+from torch.testing._internal.common_utils import TestCase, run_tests
+
+
+class TestBinaryUfuncs(TestCase):
+    @onlyNativeDeviceTypes  # as PyTorch's: openreg, autoloaded, is one of NATIVE_DEVICES
+    @dtypes(torch.int64, torch.uint8)
+    def test_fmod_remainder_by_zero_integral(self, device, dtype):
+        x = torch.arange(1, 7, device=device, dtype=dtype)
+        for fn in (torch.fmod, torch.remainder):
+            if self.device_type == "cpu":
+                with self.assertRaisesRegex(RuntimeError, "ZeroDivisionError"):
+                    fn(x, torch.zeros_like(x))
+            else:
+                value = 255 if dtype == torch.uint8 else -1
+                self.assertTrue(torch.all(fn(x, torch.zeros_like(x)) == value))
+
+    # Excluded for float16 only: its float32 variant runs (from torch 2.14; 2.13 leaves out the
+    # whole method).
+    @dtypes(torch.float16, torch.float32)
+    def test_pow(self, device, dtype):
+        x = torch.full((3,), 0.5, device=device, dtype=dtype)
+        if self.device_type == "cpu" and dtype == torch.float16:
+            with self.assertRaisesRegex(RuntimeError, "not implemented for 'ComplexHalf'"):
+                torch.pow(x, 1.0j)
+        else:
+            self.assertEqual(torch.pow(x, 1.0j).cpu(), torch.pow(x.cpu().double(), 1.0j),
+                             exact_dtype=False, atol=1e-3, rtol=1e-3)
+
+    @dtypes(torch.float32, torch.int64)
+    def test_add(self, device, dtype):
+        x = torch.arange(6, device=device).to(dtype)
+        self.assertEqual(x.device.type, "openreg")
+        self.assertEqual((x + x).cpu(), torch.arange(6).to(dtype) * 2)
+
+    def test_all_devices(self, devices):
+        self.assertEqual(devices, ["openreg:0", "openreg:1"])
+
+    test_all_devices.num_required_devices = 2
+
+
+instantiate_device_type_tests(TestBinaryUfuncs, globals())
+
+if __name__ == "__main__":
+    run_tests()
+'''
+
+
+def run_generic(tmp_path, env_extra):
+    (tmp_path / "test_generic.py").write_text(GENERIC)
+    r = run(["test_generic.py", "-v"], tmp_path,
+            {"PYTORCH_TESTING_DEVICE_ONLY_FOR": "openreg", **env_extra})
+    results = {}
+    for line in r.stderr.splitlines():
+        if " ... " in line and line.startswith("test_"):
+            name, rest = line.split(" ", 1)
+            cls = rest[rest.index("(") + 1:rest.index(")")].split(".")[-2]
+            results[f"{cls}.{name}"] = rest.rsplit(" ... ", 1)[-1].strip()
+    return r, results
+
+
+def test_pytorch_device_generic_tests_run_through_the_test_base(tmp_path):
+    r, results = run_generic(tmp_path, {"TORCH_TEST_DEVICES": str(testing.TEST_BASE)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Every generated test ran on openreg, once, under one class: the excluded one is not there.
+    classes = {name.split(".")[0] for name in results}
+    assert len(classes) == 1, results
+    pow_variants = ["test_pow_openreg_float32"] if torch_behaviour.DTYPE_EXCLUSIONS else []
+    assert sorted(n.split(".")[1] for n in results) == [
+        "test_add_openreg_float32", "test_add_openreg_int64", "test_all_devices_openreg",
+        *pow_variants]
+    assert set(results.values()) == {"ok"}
+
+
+def test_without_the_test_base_the_excluded_test_fails(tmp_path):
+    """The exclusion is needed: PyTorch's own PrivateUse1TestBase generates the test, and it
+    fails on openreg for the reason TEST_EXCLUSIONS gives."""
+    r, results = run_generic(tmp_path, {})
+    assert r.returncode != 0
+    failed = sorted(n.split(".")[1] for n, s in results.items() if s != "ok")
+    assert failed == ["test_fmod_remainder_by_zero_integral_openreg_int64",
+                      "test_fmod_remainder_by_zero_integral_openreg_uint8",
+                      "test_pow_openreg_float16"]
+    assert results["TestBinaryUfuncsPRIVATEUSE1.test_pow_openreg_float32"] == "ok"
+    assert "ZeroDivisionError" in r.stderr
+    assert "not implemented for 'ComplexHalf'" in r.stderr
+
+
+@pytest.mark.parametrize("fn", [torch.fmod, torch.remainder])
+def test_excluded_deviation_still_holds_integer_division_by_zero_raises(fn):
+    """TEST_EXCLUSIONS['TestBinaryUfuncs']['test_fmod_remainder_by_zero_integral']: the day
+    openreg returns CUDA's value instead of raising, this fails and the entry must go."""
+    assert "test_fmod_remainder_by_zero_integral" in testing.TEST_EXCLUSIONS["TestBinaryUfuncs"]
+    for dtype in (torch.int64, torch.uint8):
+        x = torch.arange(1, 7, dtype=dtype, device="openreg")
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            fn(x, torch.zeros_like(x))
+
+
+# [docs:start EXCLUSION_CHECK_COMPLEXHALF_POW]
+@pytest.mark.parametrize("method", ["test_pow", "test_complex_scalar_pow_tensor"])
+def test_excluded_deviation_still_holds_complexhalf_pow_raises(method):
+    """TEST_EXCLUSIONS['TestBinaryUfuncs'][method], float16 only: float16 with a complex exponent
+    (test_pow) or under a complex base (test_complex_scalar_pow_tensor) computes in ComplexHalf,
+    where the CPU's pow kernel has no implementation. The day openreg computes it, this fails and
+    the entry must go."""
+    assert testing.TEST_EXCLUSION_DTYPES["TestBinaryUfuncs"][method] == (torch.float16,)
+    x = torch.tensor([0.5, 1.5, 2.0], dtype=torch.float16)
+    for device in ("cpu", "openreg"):  # the CPU raises too: the deviation is CUDA's, not ours
+        xd = x.to(device)
+        with pytest.raises(NotImplementedError, match="not implemented for 'ComplexHalf'"):
+            torch.pow(xd, 1.0j) if method == "test_pow" else torch.pow(1.5j, xd)
+    # float32 computes in ComplexFloat: the other dtypes of these tests run on openreg.
+    assert torch.equal(torch.pow(x.float().to("openreg"), 1.0j).cpu(), torch.pow(x.float(), 1.0j))
+# [docs:end EXCLUSION_CHECK_COMPLEXHALF_POW]
+
+
+def test_exclusion_config_leaves_out_only_the_listed_dtypes():
+    config = testing.exclusion_config()["TestBinaryUfuncs"]
+    assert config["test_fmod_remainder_by_zero_integral"] == "*"
+    assert config["test_pow"] == {"dtypes": [torch.float16]}
+    assert set(config) == set(testing.TEST_EXCLUSIONS["TestBinaryUfuncs"])
+
+
+def test_the_test_base_is_not_importable_as_a_module():
+    import runpy
+    with pytest.raises(ImportError, match="TORCH_TEST_DEVICES"):
+        runpy.run_path(str(testing.TEST_BASE))
