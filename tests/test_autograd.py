@@ -1,6 +1,7 @@
 """Autograd on openreg: the device threads of the engine, autograd.Function, gradcheck."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -832,3 +833,52 @@ def test_gradcheck_detects_a_wrong_backward():
 
     with pytest.raises(GradcheckError):
         gradcheck(WrongGrad.apply, (leaf(3, device=torch.device("openreg:0")),))
+
+
+# --- the device threads' time slice (issue 31) --------------------------------------------------
+
+_SLICE_SCRIPT = textwrap.dedent("""
+    import ctypes, os, torch
+    libc = ctypes.CDLL(None, use_errno=True)
+    class Attr(ctypes.Structure):  # struct sched_attr, first version
+        _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32),
+                    ("flags", ctypes.c_uint64), ("nice", ctypes.c_int32), ("prio", ctypes.c_uint32),
+                    ("runtime", ctypes.c_uint64), ("deadline", ctypes.c_uint64),
+                    ("period", ctypes.c_uint64)]
+    def slice_ns(tid):
+        a = Attr()
+        assert libc.syscall(315, tid, ctypes.byref(a), ctypes.sizeof(a), 0) == 0  # sched_getattr
+        return a.runtime
+    x = torch.ones(4, device="openreg:1", requires_grad=True)
+    (x * 2).sum().backward()
+    tids = [int(t) for t in os.listdir("/proc/self/task")
+            if open(f"/proc/self/task/{t}/comm").read().strip() == "pt_autograd_1"]
+    assert len(tids) == 1, tids
+    print(slice_ns(tids[0]), slice_ns(os.getpid()))
+""")
+
+
+def _kernel_has_custom_slices() -> bool:
+    # Linux 6.12 added per-thread slices for SCHED_OTHER (sched_runtime); before, none is reported.
+    release = tuple(int(p) for p in os.uname().release.split(".")[:2] if p.isdigit())
+    return sys.platform == "linux" and platform.machine() == "x86_64" and release >= (6, 12)
+
+
+@pytest.mark.skipif(not _kernel_has_custom_slices(), reason="needs Linux 6.12+ on x86_64")
+@pytest.mark.parametrize("setting,expected_us", [(None, 100), ("250", 250), ("0", None)])
+def test_device_threads_ask_for_a_short_time_slice(setting, expected_us):
+    # A device thread is woken for each backward; with a short slice it preempts a busy thread at
+    # once instead of waiting for that thread's slice to end (autograd.cpp, DEVICE_THREAD_SLICE).
+    # The caller's own slice is not changed.
+    env = dict(os.environ)
+    env.pop("OPENREG_AUTOGRAD_SLICE_US", None)
+    if setting is not None:
+        env["OPENREG_AUTOGRAD_SLICE_US"] = setting
+    r = subprocess.run([sys.executable, "-c", _SLICE_SCRIPT], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    device_slice, caller_slice = (int(v) for v in r.stdout.split())
+    if expected_us is None:  # the kernel's default, as the caller's
+        assert device_slice == caller_slice
+    else:
+        assert device_slice == expected_us * 1000 and caller_slice != device_slice
