@@ -6,6 +6,7 @@ builds for several torch releases live side by side in one tree, each with its o
 import glob
 import importlib.util
 import os
+import subprocess
 
 # Building imports torch; torch's autoload must not import the (installed, possibly stale or
 # half-built) torch_openreg while we build it.
@@ -64,6 +65,21 @@ def generate_registrations():
 DEBUG_INFO = "-g" if os.environ.get("OPENREG_DEBUG_INFO") == "1" else "-g0"
 
 
+# torch's headers, parsed once per build instead of once per source file: GCC's precompiled header
+# (build/<TAG>/pch), passed to every file with -include. Each of the ~30 files spends most of its
+# time in these headers; see CONTRIBUTING.md for the measured build times. Another compiler, or a
+# header GCC finds stale (-Winvalid-pch says so), just parses the headers as before.
+PCH_HEADERS = ["ATen/ATen.h", "torch/library.h"]
+
+
+def is_gcc(compiler):
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+    return "Free Software Foundation" in out and "clang" not in out
+
+
 class BuildNative(BuildExtension.with_options(use_ninja=True)):
     """Object files per torch release too (build/temp.*/<TAG>): switching between the virtual
     environments of two releases rebuilds only what changed."""
@@ -71,6 +87,40 @@ class BuildNative(BuildExtension.with_options(use_ninja=True)):
     def finalize_options(self):
         super().finalize_options()
         self.build_temp = os.path.join(self.build_temp, TAG)
+
+    def build_extension(self, ext):
+        # BuildExtension.build_extensions has added torch's flags to ext.extra_compile_args by now
+        header = "-Winvalid-pch" not in ext.extra_compile_args and self.precompile_headers(ext)
+        if header:
+            ext.extra_compile_args = ext.extra_compile_args + ["-include", header, "-Winvalid-pch"]
+        super().build_extension(ext)
+
+    def precompile_headers(self, ext):
+        """build/<TAG>/pch/openreg_pch.h and its .gch, compiled with the flags of ext's sources
+        (the compile command of torch's ninja file: Python's flags, include dirs, ext's flags)."""
+        compiler = self.compiler.compiler_so
+        if os.environ.get("OPENREG_PCH") == "0" or not is_gcc(compiler[0]):
+            return None
+        folder = os.path.join(ROOT, "build", TAG, "pch")
+        os.makedirs(folder, exist_ok=True)
+        header = os.path.join(folder, "openreg_pch.h")
+        text = "".join(f"#include <{h}>\n" for h in PCH_HEADERS)
+        includes = [f"-I{os.path.abspath(d)}" for d in ext.include_dirs + self.compiler.include_dirs]
+        command = compiler + includes + ["-x", "c++-header", header, "-o", header + ".gch"] + \
+            ext.extra_compile_args
+        stamp = os.path.join(folder, "command.txt")
+        if os.path.exists(header + ".gch") and os.path.exists(stamp) and \
+                open(stamp).read() == " ".join(command) and open(header).read() == text:
+            return header
+        with open(header, "w") as f:
+            f.write(text)
+        print("precompiling torch's headers:", " ".join(command), flush=True)
+        if subprocess.run(command).returncode != 0:
+            print("precompiled header failed: every file parses torch's headers", flush=True)
+            return None
+        with open(stamp, "w") as f:
+            f.write(" ".join(command))
+        return header
 
     def run(self):
         # an in-place build (build_ext --inplace, pip install -e) copies into this folder
@@ -93,7 +143,10 @@ setup(
             include_dirs=[os.path.join(ROOT, "csrc"), ROOT, os.path.join(ROOT, "build", TAG),
                           os.path.join(os.path.dirname(torch.__file__), "include", "kineto")],
             extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
-                                "-fopenmp-simd", DEBUG_INFO],
+                                "-fopenmp-simd", DEBUG_INFO,
+                                # torch 2.13-2.15's headers need C++20 (torch adds it when no
+                                # -std is given; explicit here, so the precompiled header has it)
+                                "-std=c++20"],
         )
     ],
     cmdclass={"build_ext": BuildNative},
