@@ -18,17 +18,9 @@ import accelerate  # noqa: F401
 import peft  # noqa: F401
 import transformers
 
+from suite_process import run
+
 CLOSED = "gap closed upstream, update docs/privateuse1_gaps.md: "
-
-
-def run(args, cwd, env_extra=None):
-    # Without CI: under CI (any value) PyTorch's run_tests() writes JUnit XML through xmlrunner
-    # instead of the -v lines read here (docs/test_suites.md).
-    env = {k: v for k, v in os.environ.items() if k != "CI"
-           and not k.startswith(("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING"))}
-    env.update(HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=300)
 
 
 # [docs:start GAP_FLEX_ATTENTION]

@@ -6,9 +6,6 @@ test openreg fails with the variable and the fix instead of testing the CPU.
 Each suite reads its variables once per process, at import: every case runs in a subprocess.
 """
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,19 +16,15 @@ import diffusers  # noqa: F401
 import transformers  # noqa: F401
 
 from torch_openreg import testing
+import suite_process
 import torch_behaviour
 
-SUITE_VARIABLES = ("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING_DEVICE")
+# transformers' and diffusers' own logging off: these tests read the processes' last line
+QUIET = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error"}
 
 
 def run(args, cwd, env_extra=None, timeout=300):
-    # Without CI: under CI (any value) PyTorch's run_tests() writes JUnit XML through xmlrunner
-    # instead of the -v lines read here (docs/test_suites.md).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_VARIABLES) and k != "CI"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error",
-               PYTHONWARNINGS="ignore", **(env_extra or {}))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=timeout)
+    return suite_process.run(args, cwd, {**QUIET, **(env_extra or {})}, timeout)
 
 
 def run_json(code, cwd, env_extra=None):
