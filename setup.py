@@ -108,18 +108,23 @@ class BuildNative(BuildExtension.with_options(use_ninja=True)):
         includes = [f"-I{os.path.abspath(d)}" for d in ext.include_dirs + self.compiler.include_dirs]
         command = compiler + includes + ["-x", "c++-header", header, "-o", header + ".gch"] + \
             ext.extra_compile_args
-        stamp = os.path.join(folder, "command.txt")
-        if os.path.exists(header + ".gch") and os.path.exists(stamp) and \
-                open(stamp).read() == " ".join(command) and open(header).read() == text:
+        line, stamp = " ".join(command), os.path.join(folder, "command.txt")
+
+        def read(path):
+            with open(path) as f:
+                return f.read()
+
+        if os.path.exists(header + ".gch") and os.path.exists(stamp) and read(stamp) == line and \
+                read(header) == text:
             return header
         with open(header, "w") as f:
             f.write(text)
-        print("precompiling torch's headers:", " ".join(command), flush=True)
+        print("precompiling torch's headers:", line, flush=True)
         if subprocess.run(command).returncode != 0:
             print("precompiled header failed: every file parses torch's headers", flush=True)
             return None
         with open(stamp, "w") as f:
-            f.write(" ".join(command))
+            f.write(line)
         return header
 
     def run(self):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 # The variables through which each suite is pointed at a device (docs/test_suites.md).
-SUITE_VARIABLES = ("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING_DEVICE")
+SUITE_VARIABLES = ("TRANSFORMERS_", "DIFFUSERS_", "TORCH_TEST_DEVICES", "PYTORCH_TESTING")
 
 
 def run(args, cwd, env_extra=None, timeout=300):

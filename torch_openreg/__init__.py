@@ -27,7 +27,7 @@ import torch  # noqa: E402
 # ImportError saying how to rebuild (_native_build.py, docs/torch_releases.md).
 from torch_openreg import _native_build  # noqa: E402
 
-_C = _native_build.load(torch.__version__)
+_C = _native_build.load()
 from torch_openreg import openreg  # noqa: E402
 
 __all__ = ["openreg"]

@@ -73,9 +73,14 @@ def _built_versions() -> list[str]:
                   for p in glob.glob(os.path.join(NATIVE_DIR, "torch_*", "_C*.so")))
 
 
-def load(torch_version: str):
-    """Imports the native core built against ``torch_version`` and registers it as
-    ``torch_openreg._C``; raises ImportError saying what to do when there is none."""
+def load(torch_version: str | None = None):
+    """Imports the native core built against ``torch_version`` (default: the installed torch's)
+    and registers it as ``torch_openreg._C``; raises ImportError saying what to do when there is
+    none."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
     if not OLDEST <= release(torch_version) <= NEWEST:
         raise ImportError(
             f"torch_openreg supports {supported_range()}, but torch {torch_version} is installed. "
