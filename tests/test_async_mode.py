@@ -641,3 +641,21 @@ def test_first_call_of_a_signature_raises_the_cpu_error_at_the_call(asynchronous
     x.index_select(0, bad)  # queued: the CPU kernel's error is asynchronous, as on a GPU
     with pytest.raises(RuntimeError, match="(?s)aten::index_select.*index out of range in self"):
         torch.openreg.synchronize()
+
+
+def test_a_queued_operator_keeps_the_layout_of_its_first_call():
+    # The outputs of an operator with a C++ meta kernel are described by that kernel when it is
+    # queued. torch 2.14.1's meta kernel of native_group_norm makes a channels-last input's output
+    # contiguous where its CPU kernel keeps channels-last: from the second call on, GroupNorm on
+    # openreg returned another layout than its first call and the CPU. A signature whose meta
+    # kernel disagrees with the CPU kernel now runs synchronously (csrc/ops/async_kernel.cpp).
+    gn = torch.nn.GroupNorm(2, 4)
+    x = torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    want = gn(x)
+    gnd, xd = gn.to("openreg"), x.to("openreg")
+    with torch.openreg.set_async(True):
+        calls = [gnd(xd) for _ in range(3)]
+        torch.openreg.synchronize()
+    assert [y.stride() for y in calls] == [want.stride()] * 3
+    for y in calls:
+        torch.testing.assert_close(y.cpu(), want, rtol=0, atol=0)

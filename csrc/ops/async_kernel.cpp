@@ -579,9 +579,40 @@ struct Learned {
   // from the host side of the operator, never from a running kernel): the calls of a signature
   // whose CPU kernel warns all run synchronously, so that each gives its warnings where it is made.
   bool warns = false;
+  // For an operator whose outputs the C++ meta kernel describes (not replayed from `returns`):
+  // whether that kernel gives the CPU kernel's sizes and strides, checked at the second call.
+  // torch 2.14.1's meta kernel of native_group_norm makes a channels-last input's output
+  // contiguous where the CPU kernel keeps channels-last: such a signature runs synchronously,
+  // so its layout does not depend on the call's history (docs/determinism.md).
+  enum class Meta { Unchecked, Agrees, Disagrees } meta = Meta::Unchecked;
   std::vector<std::vector<Launch::Learned>> returns;  // per return: one tensor or a list
   std::vector<bool> is_list;
 };
+
+// Whether the meta kernel's outputs have the sizes and strides the CPU kernel's had.
+bool meta_agrees(const c10::Stack& meta, const Learned& cpu) {
+  if (!cpu.replayable || meta.size() != cpu.returns.size()) return cpu.replayable ? false : true;
+  auto same = [](const c10::IValue& v, const Launch::Learned& l) {
+    if (!v.isTensor()) return l.kind == 0;
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return l.kind == 0;
+    return t.sizes().vec() == l.sizes && t.strides().vec() == l.strides;
+  };
+  for (size_t r = 0; r < meta.size(); ++r) {
+    const auto& outs = cpu.returns[r];
+    if (meta[r].isTensorList()) {
+      const auto list = meta[r].toTensorList();
+      if (list.size() != outs.size()) return false;
+      for (size_t j = 0; j < outs.size(); ++j)
+        if (!same(c10::IValue(list.get(j)), outs[j])) return false;
+    } else if (meta[r].isNone()) {
+      if (!outs.empty() && outs[0].kind != 0) return false;
+    } else if (outs.size() != 1 || !same(meta[r], outs[0])) {
+      return false;
+    }
+  }
+  return true;
+}
 
 void put(std::string& key, int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof v); }
 
@@ -746,6 +777,7 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
   const size_t num_args = s.kinds.size();
   const size_t first = stack->size() - num_args;
   const Learned* learned = nullptr;
+  Learned* check_meta = nullptr;  // a signature whose meta kernel is compared at this call
   // The `.out` call of a structured wrapper was checked with the wrapper's own call.
   if (!checked || !plan.returns_written_args) {
     const bool replay = !plan.structured_wrapper && !plan.cpp_meta;
@@ -763,6 +795,10 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
     if (replay) {
       if (!it->second.replayable) return Route::Synchronous;
       learned = &it->second;
+    } else if (it->second.meta == Learned::Meta::Disagrees) {
+      return Route::Synchronous;
+    } else if (it->second.meta == Learned::Meta::Unchecked && !plan.structured_wrapper) {
+      check_meta = &it->second;
     }
   }
   if (plan.structured_wrapper) {
@@ -820,6 +856,11 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
       return Route::Synchronous;
     }
     if (!launch.written_unchanged()) return Route::Synchronous;
+    if (check_meta != nullptr) {
+      const bool agrees = meta_agrees(meta_stack, *check_meta);
+      check_meta->meta = agrees ? Learned::Meta::Agrees : Learned::Meta::Disagrees;
+      if (!agrees) return Route::Synchronous;
+    }
 
     // 3. Device outputs: arguments, views of arguments' storages, or fresh memory allocated now
     //    on the current stream.
