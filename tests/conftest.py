@@ -25,3 +25,18 @@ def devices_idle_after_each_test():
     if torch.openreg.is_initialized():
         for index in range(torch.openreg.device_count()):
             torch.openreg.synchronize(index)
+
+
+@pytest.fixture
+def slow_copies():
+    """During the test, every `non_blocking` copy between pinned memory and a device stays in
+    flight for the latency this fixture yields (0.25 s): far longer than the few microseconds a
+    host thread needs to read a destination too early, so a missing synchronization shows."""
+    latency = 0.25
+    old = torch.openreg.set_copy_engine_config(latency_us=latency * 1e6)
+    try:
+        yield latency
+    finally:
+        for index in range(torch.openreg.device_count()):
+            torch.openreg.synchronize(index)
+        torch.openreg.set_copy_engine_config(*old)

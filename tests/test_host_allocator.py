@@ -14,18 +14,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch_openreg.testing import hold_stream
 
 N = 1 << 16  # floats: 256 KiB, a power of two (the allocator rounds sizes up to one)
-LATENCY = 0.3  # seconds a non_blocking copy stays in flight in the tests that need it
-
-
-@pytest.fixture
-def slow_copies():
-    old = torch.openreg.set_copy_engine_config(latency_us=LATENCY * 1e6)
-    try:
-        yield
-    finally:
-        torch.accelerator.synchronize(0)
-        torch.accelerator.synchronize(1)
-        torch.openreg.set_copy_engine_config(*old)
 
 
 def stat(name):

@@ -2,7 +2,7 @@
 asynchronous (non_blocking) copies and their races, and asynchronous errors.
 
 Races are made observable with a large simulated copy latency (``slow_copies``): a copy then
-stays in flight for LATENCY seconds, far longer than the few microseconds the host needs to read
+stays in flight for a quarter of a second, far longer than the few microseconds the host needs to read
 the destination too early.
 """
 
@@ -16,19 +16,7 @@ import torch
 from torch_openreg.openreg.streams import _inject_async_error
 from torch_openreg.testing import hold_stream
 
-LATENCY = 0.25  # seconds a non_blocking copy stays in flight in the race tests
 N = 1000
-
-
-@pytest.fixture
-def slow_copies():
-    old = torch.openreg.set_copy_engine_config(latency_us=LATENCY * 1e6)
-    try:
-        yield LATENCY
-    finally:
-        for d in range(torch.openreg.device_count()):
-            torch.openreg.synchronize(d)
-        torch.openreg.set_copy_engine_config(*old)
 
 
 def expected():
@@ -276,7 +264,7 @@ def test_wait_stream_orders_later_work_after_the_other_streams_copy(device, slow
     current = torch.openreg.current_stream(device)
     t0 = time.perf_counter()
     current.wait_stream(side)
-    assert time.perf_counter() - t0 < LATENCY / 2  # the host does not wait, the stream does
+    assert time.perf_counter() - t0 < slow_copies / 2  # the host does not wait, the stream does
     assert not current.query()
     out = d * 2
     assert torch.equal(out.cpu(), expected() * 2)
