@@ -82,7 +82,8 @@ struct OpPlan {
   // PyTorch registers for backends without their own) checks the arguments with the C++ meta
   // function, allocates the outputs on the device and calls the `.out` form, which is queued.
   bool structured_wrapper = false;
-  // Has a meta kernel in C++ (or a composite one), which gives the outputs' metadata.
+  // Has a meta kernel written in C++ (not Python, not a composite kernel), which gives the
+  // outputs' metadata.
   bool cpp_meta = false;
   // Every return is an argument written in place (in-place and out= forms): for each return,
   // the index of that argument.
@@ -90,15 +91,19 @@ struct OpPlan {
   std::vector<size_t> returned_arg;
 };
 
-// Whether the operator's Meta kernel was registered from Python (torch.library), read from the
-// dispatcher's description of its table: "Meta: registered at <file>:<line> [kernel]".
-bool meta_in_python(const c10::OperatorHandle& op) {
+// Whether the operator's Meta kernel is a meta kernel written in C++, read from the
+// dispatcher's description of its table ("Meta: registered at <file>:<line> [kernel]"). Not one:
+// a kernel registered from Python (torch.library, "<file>.py:<line>"), the Meta key's backend
+// fallback ("[backend fallback]": no meta kernel), and a composite kernel that the Meta key
+// falls back to ("[default backend kernel]"), which calls other operators whose meta kernels
+// may be Python ones: the foreach operators' call one per tensor of the list, 85 us each.
+bool meta_in_cpp(const c10::OperatorHandle& op) {
   const std::string table = "\n" + op.dumpComputedTable();
   const size_t line = table.find("\nMeta: ");
   if (line == std::string::npos) return false;
   const size_t end = table.find('\n', line + 1);
   const std::string meta = table.substr(line, end == std::string::npos ? end : end - line);
-  return meta.find(".py:") != std::string::npos;
+  return meta.find(" [kernel]") != std::string::npos && meta.find(".py:") == std::string::npos;
 }
 
 OpPlan compute_plan(const c10::OperatorHandle& op, const ArgSummary& s) {
@@ -128,8 +133,7 @@ OpPlan compute_plan(const c10::OperatorHandle& op, const ArgSummary& s) {
   // written in Python (torch/_meta_registrations.py registers many, over the C++ ones) costs
   // 100-250 us per call, far more than running the operator synchronously (docs/async_mode.md).
   plan.eligible = true;
-  plan.cpp_meta = (op.hasKernelForDispatchKey(c10::DispatchKey::Meta) && !meta_in_python(op)) ||
-                  op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+  plan.cpp_meta = meta_in_cpp(op);
   plan.returns_written_args = s.any_writes;
   for (const auto& ret : schema.returns()) {
     const auto* alias = ret.alias_info();
@@ -702,7 +706,11 @@ bool signature(const c10::OperatorHandle& op, const c10::Stack& stack, size_t fi
 }
 
 thread_local std::unordered_map<std::string, Learned> t_learned;
+// Bounded in entries and in bytes (keys of tensor-list operators are long, and a float whose
+// value changes at every call makes a new signature each time): past either, it starts over.
 constexpr size_t kMaxLearned = 1 << 16;
+constexpr size_t kMaxLearnedBytes = size_t(64) << 20;
+thread_local size_t t_learned_bytes = 0;
 // Set while the fallback runs an operator synchronously to learn its outputs.
 thread_local bool t_learning = false;
 // [docs:end ASYNC_SIGNATURES]
@@ -763,7 +771,15 @@ void learn_synchronously(const c10::OperatorHandle& op, c10::Stack* stack, int d
   // An operator that resized or moved a written argument cannot be replayed from its metadata.
   learned.replayable = replayable && launch.written_state() == before;
   learned.warns = note.warned;
-  if (t_learned.size() >= kMaxLearned) t_learned.clear();
+  size_t bytes = key.size() + sizeof(Learned);
+  for (const auto& outs : learned.returns)
+    for (const auto& out : outs)
+      bytes += sizeof(out) + (out.sizes.size() + out.strides.size()) * sizeof(int64_t);
+  if (t_learned.size() >= kMaxLearned || t_learned_bytes + bytes > kMaxLearnedBytes) {
+    t_learned.clear();
+    t_learned_bytes = 0;
+  }
+  t_learned_bytes += bytes;
   t_learned.emplace(std::move(key), std::move(learned));
 }
 
