@@ -84,8 +84,8 @@ def load(torch_version: str | None = None):
     if not OLDEST <= release(torch_version) <= NEWEST:
         raise ImportError(
             f"torch_openreg supports {supported_range()}, but torch {torch_version} is installed. "
-            f"Install a supported torch (pip install 'torch>={OLDEST[0]}.{OLDEST[1]},"
-            f"<{NEWEST[0]}.{NEWEST[1] + 1}'), then rebuild torch_openreg against it: "
+            f"Install a supported torch (pip install '{supported_range()}'), then rebuild "
+            f"torch_openreg against it: "
             f"{_install_command()}"
         )
     tag = build_tag(torch_version)

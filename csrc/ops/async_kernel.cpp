@@ -595,7 +595,8 @@ struct Learned {
 
 // Whether the meta kernel's outputs have the sizes and strides the CPU kernel's had.
 bool meta_agrees(const c10::Stack& meta, const Learned& cpu) {
-  if (!cpu.replayable || meta.size() != cpu.returns.size()) return cpu.replayable ? false : true;
+  if (!cpu.replayable) return true;  // the first call recorded no outputs: nothing to compare
+  if (meta.size() != cpu.returns.size()) return false;
   auto same = [](const c10::IValue& v, const Launch::Learned& l) {
     if (!v.isTensor()) return l.kind == 0;
     const at::Tensor& t = v.toTensor();
