@@ -28,6 +28,12 @@ import torch  # noqa: E402
 from torch_openreg import _native_build  # noqa: E402
 
 _C = _native_build.load()
+
+# OPENREG_DEVICE_PROFILE: the devices refuse some dtypes, as MPS refuses float64 (before anything
+# can create a device tensor; docs/device_profiles.md).
+from torch_openreg import device_profiles as _device_profiles  # noqa: E402
+
+_device_profiles._enable_from_environment()
 from torch_openreg import openreg  # noqa: E402
 
 __all__ = ["openreg"]
@@ -79,6 +85,11 @@ _sanitizer._enable_from_environment()
 from torch_openreg import async_mode as _async_mode  # noqa: E402
 
 _async_mode._enable_from_environment()
+
+# OPENREG_FAULTS: injected out-of-memory errors and kernel failures (docs/fault_injection.md).
+from torch_openreg import faults as _faults  # noqa: E402
+
+_faults._enable_from_environment()
 
 # A test suite pointed at openreg (TRANSFORMERS_TEST_*, DIFFUSERS_TEST_*, TORCH_TEST_DEVICES) in a
 # way that would not test openreg fails here, before the suite reads its variables: at

@@ -13,6 +13,7 @@
 #include "adapters/ipc.h"
 
 #include "runtime/device.h"
+#include "runtime/faults.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 
@@ -96,10 +97,13 @@ class DeviceCache {
     bool small = size <= kSmallSize;
     auto& pool = small ? small_free_ : large_free_;
     // [docs:start MALLOC_RETRY]
-    Block* block = take_free(pool, size, stream);
+    // An injected out-of-memory error (runtime/faults.h, docs/fault_injection.md) takes the
+    // path of a real one: no cached block, no new segment, before and after the retry.
+    const bool injected = inject_oom(device_, requested);
+    Block* block = injected ? nullptr : take_free(pool, size, stream);
     if (block == nullptr) {
       size_t segment_size = segment_size_for(size);
-      char* mem = reserve(segment_size);
+      char* mem = injected ? nullptr : reserve(segment_size);
       if (mem == nullptr) {
         // Like CUDA: release every cached segment and try once more before failing, after
         // freeing the storages other processes have stopped using (IPC, adapters/ipc.cpp).
@@ -110,11 +114,11 @@ class DeviceCache {
         lock.lock();
         wait_outstanding(lock);
         release_cached();
-        mem = reserve(segment_size);
+        mem = injected ? nullptr : reserve(segment_size);
       }
       if (mem == nullptr) {
         stats_.num_ooms++;
-        raise_oom(requested);
+        raise_oom(requested, injected);
       }
       block = new_block(stream, segment_size, mem, small);
       update(stats_, &DeviceStats::segment, small, 1);
@@ -417,7 +421,7 @@ class DeviceCache {
   }
 
   // [docs:start RAISE_OOM]
-  [[noreturn]] void raise_oom(size_t requested) {
+  [[noreturn]] void raise_oom(size_t requested, bool injected) {
     size_t capacity = device_capacity();
     size_t used = driver_used(device_);
     size_t allocated = size_t(stats_.allocated_bytes[0].current);
@@ -433,6 +437,9 @@ class DeviceCache {
         << " is allocated by PyTorch, and " << format_size(reserved - allocated)
         << " is reserved by PyTorch but unallocated. The capacity of each simulated device is "
            "set by OPENREG_DEVICE_MEMORY (for example OPENREG_DEVICE_MEMORY=16GB).";
+    if (injected)
+      msg << " (This out-of-memory error was injected by torch.openreg.faults.oom or "
+             "OPENREG_FAULTS; docs/fault_injection.md.)";
     TORCH_CHECK_WITH(OutOfMemoryError, false, msg.str());
   }
   // [docs:end RAISE_OOM]

@@ -3,6 +3,7 @@
 //
 // The guard is how device-generic code (DeviceGuard, StreamGuard, autograd, torch.Stream and
 // torch.Event, torch.accelerator) reaches the openreg runtime: current device, streams, events.
+#include "runtime/faults.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 #include "adapters/autograd.h"
@@ -120,11 +121,14 @@ struct OpenRegGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     gpu_trace::event_wait(event, stream.device_index(), stream.id());
   }
   bool queryEvent(void* event) const override {
-    return event == nullptr || event_query(as_event(event));
+    if (event == nullptr) return true;
+    check_device_fault(event_device(as_event(event)));  // runtime/faults.h
+    return event_query(as_event(event));
   }
   void synchronizeEvent(void* event) const override {
     if (event == nullptr) return;
     event_synchronize(as_event(event));
+    check_device_fault(event_device(as_event(event)));
     gpu_trace::event_synchronization(event);
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {

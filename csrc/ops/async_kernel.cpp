@@ -16,6 +16,8 @@
 // releases segments to the driver (runtime/stream.h, wait_for_queued_kernels).
 #include "ops/async_kernel.h"
 
+#include "runtime/device_profile.h"
+
 #include "adapters/device_allocator.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
@@ -379,7 +381,8 @@ class Launch {
         result = make_tensor_like(st.device, c10::DispatchKey::PrivateUse1, m);  // a view
         return true;
       }
-    if (c10::isQIntType(m.scalar_type())) return false;
+    // Quantized, or a dtype the device profile refuses: the synchronous run raises its error.
+    if (c10::isQIntType(m.scalar_type()) || profile_refuses(m.scalar_type())) return false;
     size_t index = 0;
     while (index < outputs_.size() && outputs_[index].meta.unsafeGetStorageImpl() != storage)
       ++index;

@@ -1,6 +1,8 @@
 // Native because: this is the per-operator hot path of the generic fallback.
 #include "ops/cpu_kernel.h"
 
+#include "runtime/device_profile.h"
+
 #include "adapters/autograd.h"
 #include "routes/call_counter.h"
 
@@ -796,6 +798,7 @@ c10::Storage HostKernel::device_storage_for(const at::Tensor& cpu) {
 // [docs:start HOST_KERNEL_RESULT]
 at::Tensor HostKernel::result(const at::Tensor& cpu) {
   if (!cpu.defined()) return cpu;
+  check_profile_dtype(cpu.scalar_type(), device_);  // docs/device_profiles.md
   int found = s_->find_tensor(cpu.unsafeGetTensorImpl(), Session::CpuTensor);
   if (found >= 0) {
     at::Tensor device = s_->tensors[found].device;
@@ -811,6 +814,7 @@ at::Tensor HostKernel::result(const at::Tensor& cpu) {
 // replaced by new ones (two allocations and two constructions fewer per result).
 at::Tensor HostKernel::result(at::Tensor&& cpu) {
   if (!cpu.defined()) return std::move(cpu);
+  check_profile_dtype(cpu.scalar_type(), device_);
   c10::TensorImpl* impl = cpu.unsafeGetTensorImpl();
   const c10::Storage& storage = impl->unsafe_storage();
   // A dense CPU tensor, whatever its autograd, autocast and math-bit keys (which follow the

@@ -10,6 +10,8 @@
 #include "ops/cpu_kernel.h"
 #include "routes/op_fallback.h"
 #include "runtime/device.h"
+#include "runtime/device_profile.h"
+#include "runtime/faults.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 
@@ -68,6 +70,7 @@ at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarT
   check_layout(layout);
   check_pin(pin_memory);
   int index = device_index(device);
+  check_profile_dtype(c10::dtype_or_default(dtype), index);  // docs/device_profiles.md
   at::Tensor t = at::detail::empty_generic(size, allocator_for_device(index),
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                            c10::dtype_or_default(dtype), memory_format);
@@ -84,6 +87,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
   check_layout(layout);
   check_pin(pin_memory);
   int index = device_index(device);
+  check_profile_dtype(c10::dtype_or_default(dtype), index);
   at::Tensor t = at::detail::empty_strided_generic(
       size, stride, allocator_for_device(index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
       c10::dtype_or_default(dtype));
@@ -294,6 +298,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     // [docs:end ASYNC_COPY]
   }
   HostKernel k(device);
+  if (src_dev) check_device_fault(device);  // a blocking copy to the host synchronizes
   mark_launch_as(src_dev ? ActivityKind::CopyDtoH : ActivityKind::CopyHtoD,
                       size_t(dst.numel()) * dst.element_size());
   if (src_dev) copy_between(dst, k.alias(self));
@@ -312,6 +317,7 @@ c10::Scalar local_scalar_dense(const at::Tensor& self) {
   check_capture_permits("reading a value on the host (item(), _local_scalar_dense)",
                         tensor_device(self), current_stream(tensor_device(self)));
   HostKernel k(tensor_device(self));
+  check_device_fault(tensor_device(self));  // a sticky kernel error (runtime/faults.h)
   return at::_local_scalar_dense(k.alias(self));
 }
 
@@ -345,6 +351,7 @@ at::Tensor efficient_zero_tensor(c10::IntArrayRef size, std::optional<c10::Scala
   // No memory, but the CPU's storage size (that of a contiguous tensor of this size): views of
   // it (as_strided, which batched gradients make) are checked against that size, as on the CPU.
   const auto scalar_type = c10::dtype_or_default(dtype);
+  check_profile_dtype(scalar_type, index);
   const size_t nbytes =
       at::detail::computeStorageNbytesContiguous(size, c10::elementSize(scalar_type));
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, no_memory(index), nullptr,

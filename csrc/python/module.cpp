@@ -14,6 +14,8 @@
 #include "routes/unboxed.h"
 #include "routes/op_fallback.h"
 #include "runtime/device.h"
+#include "runtime/device_profile.h"
+#include "runtime/faults.h"
 #include "runtime/stream.h"
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -80,6 +82,29 @@ PYBIND11_MODULE(_C, m) {
   m.def("_is_initialized", &openreg::is_initialized);
   m.def("_is_in_bad_fork", &openreg::in_bad_fork);
   m.def("_device_capacity", &openreg::device_capacity);
+
+  // ---- device profiles (runtime/device_profile.cpp, torch_openreg/device_profiles.py)
+  m.def("_set_device_profile", [](const std::string& name, const py::list& refused) {
+    std::vector<openreg::RefusedDtype> dtypes;
+    for (const auto& item : refused) {
+      auto entry = item.cast<py::tuple>();
+      PyObject* dtype = entry[0].ptr();
+      TORCH_CHECK_TYPE(THPDtype_Check(dtype), "expected a torch.dtype");
+      dtypes.push_back({reinterpret_cast<THPDtype*>(dtype)->scalar_type,
+                        entry[1].cast<std::string>(), entry[2].cast<std::string>()});
+    }
+    openreg::set_device_profile(name, dtypes);
+  });
+  m.def("_device_profile", &openreg::device_profile_name);
+
+  // ---- fault injection (runtime/faults.cpp, torch_openreg/faults.py)
+  m.def("_arm_oom", &openreg::arm_oom);
+  m.def("_disarm_oom", &openreg::disarm_oom);
+  m.def("_oom_fired", &openreg::oom_fired);
+  m.def("_arm_kernel_fault", &openreg::arm_kernel_fault);
+  m.def("_disarm_kernel_fault", &openreg::disarm_kernel_fault);
+  m.def("_reset_device_fault", &openreg::reset_device_fault);
+  m.def("_device_fault", &openreg::device_fault);
   m.def("_get_device_properties", [](int device) {
     auto p = openreg::device_properties(device);
     return py::make_tuple(p.name, p.total_memory, p.major, p.minor, p.multi_processor_count);

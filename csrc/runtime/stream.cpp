@@ -3,6 +3,7 @@
 #include "runtime/stream.h"
 
 #include "runtime/device.h"
+#include "runtime/faults.h"
 #include "runtime/memory.h"
 
 #include <c10/util/Exception.h>
@@ -415,6 +416,7 @@ bool stream_query(Stream* s) {
     capture_fail(c, c10::str("openreg: querying stream ", s->id(), " of openreg:", s->device(),
                              " while it is capturing a graph is not permitted (operation not "
                              "permitted when stream is capturing)"));
+  check_device_fault(s->device());
   s->rethrow_async_error();
   return s->idle();
 }
@@ -436,6 +438,7 @@ void stream_synchronize(Stream* s) {
     HostWaitRecord record("openregStreamSynchronize", s->device(), s->id());
     stream_wait(s);
   }
+  check_device_fault(s->device());
   s->rethrow_async_error();
 }
 
@@ -456,6 +459,7 @@ void device_synchronize(int device) {
     HostWaitRecord record("openregDeviceSynchronize", device, current_stream(device)->id());
     for (auto& m : markers) event_wait_host(m);
   }
+  check_device_fault(device);
   for (auto& s : streams) s->rethrow_async_error();
 }
 
@@ -527,6 +531,7 @@ void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
     if (Capture* c = s->capture())
       capture_fail(c, "openreg: queueing asynchronous work on a capturing stream is not "
                       "supported (operation not permitted when stream is capturing)");
+    on_kernel_launch(device, s->id());  // an injected failure (runtime/faults.h)
     behind_host_kernel = s->enqueue([device, kernel = std::move(kernel)] {
       Done done{device};
       kernel();
@@ -568,6 +573,7 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   s->begin_kernel();
   push_held(s);
   stream_ = s;
+  on_kernel_launch(s->device(), s->id());  // an injected failure (runtime/faults.h)
   if (g_launch_reports_errors.load(std::memory_order_relaxed) && s->has_error()) {
     // Asynchronous kernel mode: the queued work this launch waited for failed (stream.h).
     pop_held(s);

@@ -14,6 +14,12 @@ import torch
 from torch_openreg import _C
 
 from torch_openreg.async_mode import is_async, set_async  # noqa: F401
+from torch_openreg import faults  # noqa: F401  (torch.openreg.faults)
+from torch_openreg.device_profiles import (  # noqa: F401
+    get_device_profile,
+    is_dtype_supported,
+    set_device_profile,
+)
 
 from .graphs import graph, graph_pool_handle, is_current_stream_capturing  # noqa: F401
 from .memory import (  # noqa: F401
@@ -189,8 +195,9 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
-    """bfloat16 runs natively (the device executes CPU kernels, which support it)."""
-    return True
+    """bfloat16 runs natively (the device executes CPU kernels, which support it), unless the
+    device profile refuses it (docs/device_profiles.md)."""
+    return is_dtype_supported(torch.bfloat16)
 
 
 # [docs:start SYNC_DEBUG_MODE]

@@ -20,7 +20,9 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     """Low-precision dtypes ``torch.autocast("openreg", dtype=...)`` accepts (float16 is the
     default, see ``torch.get_autocast_dtype("openreg")``); any other dtype makes torch warn and
     disable autocast, as for CUDA."""
-    return [torch.float16, torch.bfloat16]
+    from torch_openreg.device_profiles import is_dtype_supported
+
+    return [d for d in (torch.float16, torch.bfloat16) if is_dtype_supported(d)]
 # [docs:end AMP_SUPPORTED_DTYPE]
 
 

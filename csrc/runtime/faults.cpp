@@ -1,0 +1,188 @@
+// Native because: the faults fire inside the simulated driver (faults.h); this file holds what is
+// armed, counts what it matches and keeps the devices' sticky errors.
+#include "runtime/faults.h"
+
+#include "runtime/device.h"
+
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace openreg {
+namespace detail {
+std::atomic<bool> g_oom_armed{false};
+std::atomic<bool> g_kernel_fault_armed{false};
+std::atomic<uint64_t> g_faulted_devices{0};
+}  // namespace detail
+
+namespace {
+std::mutex g_mutex;
+
+struct OomFault {
+  int device = -1;
+  int64_t nth = 1;
+  size_t min_bytes = 0;
+  int64_t times = 1;
+  int64_t seen = 0;   // matching allocations so far
+  int64_t fired = 0;
+} g_oom;
+
+struct KernelFault {
+  int device = -1;
+  int64_t stream = -1;
+  std::string op;
+  int64_t nth = 1;
+  std::string kind;
+  int64_t seen = 0;
+} g_kernel;
+
+std::string g_device_errors[64];
+int g_device_codes[64] = {};
+
+// The operators being called on this thread, outermost first, while a kernel fault is armed
+// (a RecordFunction callback, the mechanism torch's profiler uses): the name of a launch.
+thread_local std::vector<std::string> t_ops;
+std::optional<at::CallbackHandle> g_callback;
+
+std::unique_ptr<at::ObserverContext> op_enter(const at::RecordFunction& fn) {
+  t_ops.emplace_back(fn.name());
+  return nullptr;
+}
+void op_exit(const at::RecordFunction&, at::ObserverContext*) {
+  if (!t_ops.empty()) t_ops.pop_back();
+}
+
+bool op_matches(const std::string& wanted, const std::string& name) {
+  return name == wanted || (name.size() > 6 && name.compare(0, 6, "aten::") == 0 &&
+                            name.compare(6, std::string::npos, wanted) == 0);
+}
+}  // namespace
+
+// ---------------------------------------------------------------- out of memory
+
+void arm_oom(int device, int64_t nth, size_t min_bytes, int64_t times) {
+  if (device >= 0) check_device(device);
+  TORCH_CHECK_VALUE(nth >= 1, "openreg faults: nth must be >= 1, got ", nth);
+  TORCH_CHECK_VALUE(times != 0, "openreg faults: times must be positive, or negative for every "
+                                "matching allocation");
+  std::lock_guard lock(g_mutex);
+  g_oom = OomFault{device, nth, min_bytes, times, 0, 0};
+  detail::g_oom_armed = true;
+}
+
+void disarm_oom() {
+  std::lock_guard lock(g_mutex);
+  detail::g_oom_armed = false;
+}
+
+int64_t oom_fired() {
+  std::lock_guard lock(g_mutex);
+  return g_oom.fired;
+}
+
+// [docs:start OOM_FAULT_FIRES]
+bool oom_fault_fires(int device, size_t requested) {
+  std::lock_guard lock(g_mutex);
+  if (!detail::g_oom_armed.load() || (g_oom.device >= 0 && g_oom.device != device) ||
+      requested < g_oom.min_bytes)
+    return false;
+  if (++g_oom.seen < g_oom.nth) return false;
+  ++g_oom.fired;
+  if (g_oom.times > 0 && g_oom.fired >= g_oom.times) detail::g_oom_armed = false;
+  return true;
+}
+// [docs:end OOM_FAULT_FIRES]
+
+// ---------------------------------------------------------------- kernel failures
+
+void arm_kernel_fault(int device, int64_t stream, const std::string& op, int64_t nth,
+                      const std::string& kind) {
+  if (device >= 0) check_device(device);
+  TORCH_CHECK_VALUE(nth >= 1, "openreg faults: nth must be >= 1, got ", nth);
+  TORCH_CHECK_VALUE(kind == "illegal_address" || kind == "assert",
+                    "openreg faults: kind must be 'illegal_address' or 'assert', got '", kind, "'");
+  std::lock_guard lock(g_mutex);
+  g_kernel = KernelFault{device, stream, op, nth, kind, 0};
+  if (!g_callback)
+    g_callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(&op_enter, &op_exit).scopes({at::RecordScope::FUNCTION}));
+  detail::g_kernel_fault_armed = true;
+}
+
+void disarm_kernel_fault() {
+  std::lock_guard lock(g_mutex);
+  detail::g_kernel_fault_armed = false;
+  if (g_callback) {
+    at::removeCallback(*g_callback);
+    g_callback.reset();
+  }
+}
+
+// [docs:start KERNEL_FAULT_LAUNCH]
+void kernel_fault_launch(int device, int64_t stream) {
+  std::string name = "an openreg kernel";
+  if (!t_ops.empty()) name = t_ops.back();
+  std::lock_guard lock(g_mutex);
+  if (!detail::g_kernel_fault_armed.load() || (g_kernel.device >= 0 && g_kernel.device != device) ||
+      (g_kernel.stream >= 0 && g_kernel.stream != stream))
+    return;
+  if (!g_kernel.op.empty()) {
+    // The innermost operator of that name: a launch under aten::linear's aten::addmm matches
+    // both "linear" and "addmm", and is named after the one asked for.
+    bool found = false;
+    for (auto it = t_ops.rbegin(); it != t_ops.rend() && !found; ++it)
+      if (op_matches(g_kernel.op, *it)) {
+        name = *it;
+        found = true;
+      }
+    if (!found) return;
+  }
+  if (++g_kernel.seen < g_kernel.nth) return;
+  detail::g_kernel_fault_armed = false;  // fires once
+  if (!g_device_errors[device].empty()) return;  // the first error is the one reported
+  const bool assert_kind = g_kernel.kind == "assert";
+  // CUDA's error codes: cudaErrorIllegalAddress (700), cudaErrorAssert (710).
+  g_device_codes[device] = assert_kind ? 710 : 700;
+  g_device_errors[device] = c10::str(
+      "openreg error: ", assert_kind ? "device-side assert triggered" :
+                                       "an illegal memory access was encountered",
+      " in kernel ", name, " launched on stream ", stream, " of openreg:", device,
+      " (injected by torch.openreg.faults.kernel_error). The error is sticky: every "
+      "synchronizing call on openreg:", device, " reports it until "
+      "torch.openreg.faults.reset_device(", device, "); other devices are not affected.");
+  detail::g_faulted_devices.fetch_or(uint64_t(1) << device);
+}
+// [docs:end KERNEL_FAULT_LAUNCH]
+
+void detail::raise_device_fault(int device) {
+  if (device < 0 || device >= 64 ||
+      (detail::g_faulted_devices.load() & (uint64_t(1) << device)) == 0)
+    return;
+  std::string message;
+  int code = 0;
+  {
+    std::lock_guard lock(g_mutex);
+    message = g_device_errors[device];
+    code = g_device_codes[device];
+  }
+  throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, code,
+                              message);
+}
+
+void reset_device_fault(int device) {
+  check_device(device);
+  std::lock_guard lock(g_mutex);
+  g_device_errors[device].clear();
+  detail::g_faulted_devices.fetch_and(~(uint64_t(1) << device));
+}
+
+std::string device_fault(int device) {
+  check_device(device);
+  std::lock_guard lock(g_mutex);
+  return g_device_errors[device];
+}
+
+}  // namespace openreg
