@@ -277,3 +277,94 @@ def test_kernel_error_environment_form():
     """, {"OPENREG_FAULTS": "kernel_error:op=mm,device=1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["LAUNCHED", "RAISED", "True", "2.0"]
+
+
+# ---------------------------------------------------------------- collectives (occl)
+
+def _check_peer_fails(rank, world, fault):
+    import torch.distributed as dist
+    import time as _time
+
+    if rank == 1:
+        fault(nth=2).arm()  # this rank's second collective
+    x = torch.ones(4, device=f"openreg:{rank}")
+    dist.all_reduce(x)  # the first collective works on both ranks
+    start = _time.monotonic()
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as e:
+        return ("error", type(e).__name__, str(e)[:300], _time.monotonic() - start)
+    return ("no error", x.cpu().tolist(), None, _time.monotonic() - start)
+
+
+def _check_hang(rank, world):
+    return _check_peer_fails(rank, world, faults.collective_hang)
+
+
+def _check_exit(rank, world):
+    return _check_peer_fails(rank, world, faults.rank_exit)
+
+
+def run_two_ranks(check, timeout_s):
+    """Two spawned ranks (the harness of tests/test_distributed.py); returns rank 0's result and
+    the ranks' exit codes, killing a rank still running once rank 0 has answered (a launcher
+    such as torchrun ends the job when a rank fails)."""
+    import multiprocessing
+    import tempfile
+    import time
+
+    from test_distributed import _entry
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(check, r, 2, init, "cpu:gloo,openreg:occl",
+                                                  False, timeout_s, queue, {})) for r in range(2)]
+        for p in procs:
+            p.start()
+        result = None
+        deadline = time.monotonic() + 120
+        try:
+            while result is None and time.monotonic() < deadline:
+                try:
+                    rank, status, value = queue.get(timeout=0.5)
+                except Exception:  # noqa: BLE001 - queue.Empty
+                    continue
+                if rank == 0:
+                    result = (status, value)
+            procs[0].join(30)
+            procs[1].join(5)
+        finally:
+            still_running = [p.is_alive() for p in procs]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return result, still_running, [p.exitcode for p in procs]
+
+
+def test_a_hung_rank_makes_its_peer_time_out_within_the_group_timeout():
+    result, still_running, _ = run_two_ranks(_check_hang, timeout_s=3.0)
+    assert result is not None and result[0] == "ok", result
+    outcome, error_type, message, seconds = result[1]
+    assert outcome == "error", result
+    assert "timed out" in message.lower() or "timeout" in message.lower(), message
+    assert seconds < 3.0 + 15, seconds  # within the timeout (and a margin for a loaded machine)
+    assert still_running == [False, True]  # the hung rank is stuck until the launcher ends it
+
+
+def test_a_rank_that_exits_makes_its_peer_fail():
+    result, still_running, codes = run_two_ranks(_check_exit, timeout_s=10.0)
+    assert result is not None and result[0] == "ok", result
+    outcome, error_type, message, seconds = result[1]
+    assert outcome == "error", result
+    assert seconds < 10.0 + 15, seconds
+    assert still_running == [False, False] and codes[1] == 1
+
+
+def test_collective_fault_arguments_are_checked():
+    with pytest.raises(ValueError, match="nth"):
+        faults.collective_hang(nth=0).arm()
+    assert [type(f).__name__ for f in faults._parse_environment(
+        "collective_hang:nth=3;rank_exit:nth=2,code=7")] == ["collective_hang", "rank_exit"]

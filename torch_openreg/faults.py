@@ -25,7 +25,7 @@ import torch
 
 from torch_openreg import _C
 
-__all__ = ["oom", "kernel_error", "reset_device", "device_error"]
+__all__ = ["oom", "kernel_error", "reset_device", "device_error", "collective_hang", "rank_exit"]
 
 _ENV = "OPENREG_FAULTS"
 
@@ -115,6 +115,47 @@ class kernel_error:
 # [docs:end KERNEL_ERROR_FAULT]
 
 
+# [docs:start COLLECTIVE_FAULTS]
+class collective_hang:
+    """This process's ``nth`` occl collective from now never completes: the rank is stuck, as
+    a rank in a deadlock or a hung data loader. Its peers get the process group's timeout error
+    (gloo's "Timed out waiting ..."), within the timeout given to ``init_process_group``; the
+    stuck rank stays stuck until its launcher (torchrun, ``multiprocessing.spawn``) ends it, as
+    on a real cluster. Arm it in the rank that should hang (``OPENREG_FAULTS`` in that rank's
+    environment, or ``if rank == 1: faults.collective_hang().arm()``)."""
+
+    kind = "hang"
+
+    def __init__(self, nth: int = 1) -> None:
+        self.nth = int(nth)
+        self.code = 0
+
+    def arm(self):
+        _C._arm_collective_fault(self.kind, self.nth, self.code)
+        return self
+
+    def disarm(self) -> None:
+        _C._disarm_collective_fault()
+
+    __enter__ = arm
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
+
+
+class rank_exit(collective_hang):
+    """This process ends, with exit code ``code`` and no cleanup, at its ``nth`` occl collective
+    from now, as a rank that crashes or is killed: its peers' collective fails (the connection
+    to it closes) or times out."""
+
+    kind = "exit"
+
+    def __init__(self, nth: int = 1, code: int = 1) -> None:
+        super().__init__(nth)
+        self.code = int(code)
+# [docs:end COLLECTIVE_FAULTS]
+
+
 def reset_device(device: Any = None) -> None:
     """Clears the sticky error of ``device`` (default: the current device), as a process that
     recreates its CUDA context would; its memory and tensors stay as they were."""
@@ -127,17 +168,19 @@ def device_error(device: Any = None) -> str | None:
 
 
 # [docs:start FAULTS_ENV]
-def _parse_environment(text: str) -> list[oom | kernel_error]:
+def _parse_environment(text: str) -> list:
     """``OPENREG_FAULTS``: faults separated by ";", each ``kind:key=value,key=value`` with the
     arguments of ``oom`` or ``kernel_error`` ("oom:min_bytes=1e9,times=none;kernel_error:op=mm")."""
-    faults: list[oom | kernel_error] = []
+    faults: list = []
     for spec in (s.strip() for s in text.split(";")):
         if not spec:
             continue
         kind, _, args = spec.partition(":")
-        factory = {"oom": oom, "kernel_error": kernel_error}.get(kind.strip())
+        factory = {"oom": oom, "kernel_error": kernel_error, "collective_hang": collective_hang,
+                   "rank_exit": rank_exit}.get(kind.strip())
         if factory is None:
-            raise ValueError(f"{_ENV}: unknown fault {kind!r} in {spec!r} (oom or kernel_error)")
+            raise ValueError(f"{_ENV}: unknown fault {kind!r} in {spec!r} (oom, kernel_error, "
+                             "collective_hang or rank_exit)")
         kwargs: dict[str, Any] = {}
         for item in (a.strip() for a in args.split(",")):
             if not item:

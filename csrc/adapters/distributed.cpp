@@ -12,6 +12,7 @@
 #include "adapters/distributed.h"
 
 #include "ops/cpu_kernel.h"
+#include "runtime/faults.h"
 #include "runtime/memory.h"
 #include "runtime/stream.h"
 
@@ -216,6 +217,7 @@ class Call {
 
   // After the aliases were taken, before gloo (or occl itself) touches the memory.
   void start() {
+    on_collective("occl");  // an injected hang or exit of this rank (runtime/faults.h)
     if (ActivityRecorder* r = activity_recorder(); r != nullptr && !devices_.empty()) {
       const int device = devices_.front().index();
       profiled_ = DeviceActivity{ActivityKind::Collective, device, current_stream_id(device),

@@ -105,6 +105,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_disarm_kernel_fault", &openreg::disarm_kernel_fault);
   m.def("_reset_device_fault", &openreg::reset_device_fault);
   m.def("_device_fault", &openreg::device_fault);
+  m.def("_arm_collective_fault", &openreg::arm_collective_fault);
+  m.def("_disarm_collective_fault", &openreg::disarm_collective_fault);
   m.def("_get_device_properties", [](int device) {
     auto p = openreg::device_properties(device);
     return py::make_tuple(p.name, p.total_memory, p.major, p.minor, p.multi_processor_count);

@@ -7,7 +7,13 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <thread>
 #include <optional>
 #include <vector>
 
@@ -16,6 +22,7 @@ namespace detail {
 std::atomic<bool> g_oom_armed{false};
 std::atomic<bool> g_kernel_fault_armed{false};
 std::atomic<uint64_t> g_faulted_devices{0};
+std::atomic<bool> g_collective_fault_armed{false};
 }  // namespace detail
 
 namespace {
@@ -184,5 +191,56 @@ std::string device_fault(int device) {
   std::lock_guard lock(g_mutex);
   return g_device_errors[device];
 }
+
+// ---------------------------------------------------------------- collectives
+
+namespace {
+struct CollectiveFault {
+  std::string kind;
+  int64_t nth = 1;
+  int code = 1;
+  int64_t seen = 0;
+} g_collective;
+}  // namespace
+
+void arm_collective_fault(const std::string& kind, int64_t nth, int code) {
+  TORCH_CHECK_VALUE(kind == "hang" || kind == "exit",
+                    "openreg faults: a collective fault is 'hang' or 'exit', got '", kind, "'");
+  TORCH_CHECK_VALUE(nth >= 1, "openreg faults: nth must be >= 1, got ", nth);
+  std::lock_guard lock(g_mutex);
+  g_collective = CollectiveFault{kind, nth, code, 0};
+  detail::g_collective_fault_armed = true;
+}
+
+void disarm_collective_fault() {
+  std::lock_guard lock(g_mutex);
+  detail::g_collective_fault_armed = false;
+}
+
+// [docs:start COLLECTIVE_FAULT]
+void collective_fault_fires(const char* what) {
+  std::string kind;
+  int code = 1;
+  int64_t n = 0;
+  {
+    std::lock_guard lock(g_mutex);
+    if (!detail::g_collective_fault_armed.load() || ++g_collective.seen < g_collective.nth) return;
+    detail::g_collective_fault_armed = false;
+    kind = g_collective.kind;
+    code = g_collective.code;
+    n = g_collective.seen;
+  }
+  std::fprintf(stderr, "openreg: injected fault (torch.openreg.faults): %s at occl collective #%lld"
+               " (%s) of process %d\n", kind == "exit" ? "this rank exits" :
+               "this rank hangs: the collective never completes", static_cast<long long>(n),
+               what, static_cast<int>(getpid()));
+  std::fflush(stderr);
+  // A rank that dies: no cleanup, no exception, as a crash or an OOM kill.
+  if (kind == "exit") std::_Exit(code);
+  // A rank that is stuck (a deadlock, a hung data loader): it never issues the collective, and
+  // stays stuck until the launcher (torchrun, multiprocessing.spawn) ends it.
+  for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+// [docs:end COLLECTIVE_FAULT]
 
 }  // namespace openreg

@@ -60,4 +60,19 @@ inline void check_device_fault(int device) {
 }
 // [docs:end KERNEL_FAULT_CHECKS]
 
+// ---- collectives (torch.openreg.faults.collective_hang / rank_exit)
+// Arms: this process's `nth` occl collective from now never completes ("hang": the rank is
+// stuck, its peers time out) or ends the process ("exit": the rank dies, exit code `code`).
+void arm_collective_fault(const std::string& kind, int64_t nth, int code);
+void disarm_collective_fault();
+namespace detail {
+extern std::atomic<bool> g_collective_fault_armed;
+}
+void collective_fault_fires(const char* what);
+// Called when an occl collective starts (adapters/distributed.cpp).
+inline void on_collective(const char* what) {
+  if (C10_UNLIKELY(detail::g_collective_fault_armed.load(std::memory_order_relaxed)))
+    collective_fault_fires(what);
+}
+
 }  // namespace openreg
