@@ -368,3 +368,21 @@ def test_collective_fault_arguments_are_checked():
         faults.collective_hang(nth=0).arm()
     assert [type(f).__name__ for f in faults._parse_environment(
         "collective_hang:nth=3;rank_exit:nth=2,code=7")] == ["collective_hang", "rank_exit"]
+
+
+# ---------------------------------------------------------------- a device that disappears
+
+def test_a_lost_device_fails_every_call_naming_it_and_others_keep_working():
+    x = torch.ones(4, device="openreg:1")
+    faults.device_lost(1)
+    try:
+        for call in (lambda: torch.ones(4, device="openreg:1"), lambda: x + 1,
+                     lambda: torch.openreg.synchronize(1), lambda: x.cpu(),
+                     lambda: torch.ones(4).to("openreg:1")):
+            with pytest.raises(torch.AcceleratorError, match="openreg:1 is no longer available"):
+                call()
+        assert torch.ones(4, device="openreg:0").sum().item() == 4
+        assert torch.openreg.device_count() == 2
+    finally:
+        faults.reset_device(1)
+    assert (x + 1).sum().item() == 8

@@ -25,7 +25,10 @@ import torch
 
 from torch_openreg import _C
 
-__all__ = ["oom", "kernel_error", "reset_device", "device_error", "collective_hang", "rank_exit"]
+__all__ = [
+    "oom", "kernel_error", "device_lost", "reset_device", "device_error", "collective_hang",
+    "rank_exit",
+]
 
 _ENV = "OPENREG_FAULTS"
 
@@ -156,9 +159,18 @@ class rank_exit(collective_hang):
 # [docs:end COLLECTIVE_FAULTS]
 
 
+def device_lost(device: Any = None) -> None:
+    """Makes ``device`` (default: the current device) disappear, as a GPU that falls off the
+    bus: from now on every allocation, kernel launch and synchronizing call on it raises
+    ``torch.AcceleratorError`` naming the device, until ``reset_device``. Other devices keep
+    working, and ``device_count()`` does not change (it does not on CUDA either)."""
+    _C._lose_device(_device(device, any_ok=False))
+
+
 def reset_device(device: Any = None) -> None:
-    """Clears the sticky error of ``device`` (default: the current device), as a process that
-    recreates its CUDA context would; its memory and tensors stay as they were."""
+    """Clears the sticky error of ``device`` (default: the current device), or brings a lost
+    device back, as a process that recreates its CUDA context would; its memory and tensors
+    stay as they were."""
     _C._reset_device_fault(_device(device, any_ok=False))
 
 

@@ -105,6 +105,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_disarm_kernel_fault", &openreg::disarm_kernel_fault);
   m.def("_reset_device_fault", &openreg::reset_device_fault);
   m.def("_device_fault", &openreg::device_fault);
+  m.def("_lose_device", &openreg::lose_device);
   m.def("_arm_collective_fault", &openreg::arm_collective_fault);
   m.def("_disarm_collective_fault", &openreg::disarm_collective_fault);
   m.def("_get_device_properties", [](int device) {

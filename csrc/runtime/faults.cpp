@@ -19,8 +19,8 @@
 
 namespace openreg {
 namespace detail {
-std::atomic<bool> g_oom_armed{false};
-std::atomic<bool> g_kernel_fault_armed{false};
+std::atomic<bool> g_check_alloc{false};
+std::atomic<bool> g_check_launch{false};
 std::atomic<uint64_t> g_faulted_devices{0};
 std::atomic<bool> g_collective_fault_armed{false};
 }  // namespace detail
@@ -48,6 +48,20 @@ struct KernelFault {
 
 std::string g_device_errors[64];
 int g_device_codes[64] = {};
+bool g_oom_armed = false, g_kernel_armed = false;  // under g_mutex
+uint64_t g_lost = 0;                                // bit d: openreg:d disappeared
+
+// Called with g_mutex held after any change.
+void update_gates() {
+  detail::g_check_alloc = g_oom_armed || g_lost != 0;
+  detail::g_check_launch = g_kernel_armed || g_lost != 0;
+}
+
+[[noreturn]] void raise_lost(int device) {
+  // CUDA's cudaErrorDevicesUnavailable (46) is the closest code.
+  throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 46,
+                              g_device_errors[device]);
+}
 
 // The operators being called on this thread, outermost first, while a kernel fault is armed
 // (a RecordFunction callback, the mechanism torch's profiler uses): the name of a launch.
@@ -77,12 +91,14 @@ void arm_oom(int device, int64_t nth, size_t min_bytes, int64_t times) {
                                 "matching allocation");
   std::lock_guard lock(g_mutex);
   g_oom = OomFault{device, nth, min_bytes, times, 0, 0};
-  detail::g_oom_armed = true;
+  g_oom_armed = true;
+  update_gates();
 }
 
 void disarm_oom() {
   std::lock_guard lock(g_mutex);
-  detail::g_oom_armed = false;
+  g_oom_armed = false;
+  update_gates();
 }
 
 int64_t oom_fired() {
@@ -93,12 +109,16 @@ int64_t oom_fired() {
 // [docs:start OOM_FAULT_FIRES]
 bool oom_fault_fires(int device, size_t requested) {
   std::lock_guard lock(g_mutex);
-  if (!detail::g_oom_armed.load() || (g_oom.device >= 0 && g_oom.device != device) ||
+  if (g_lost & (uint64_t(1) << device)) raise_lost(device);
+  if (!g_oom_armed || (g_oom.device >= 0 && g_oom.device != device) ||
       requested < g_oom.min_bytes)
     return false;
   if (++g_oom.seen < g_oom.nth) return false;
   ++g_oom.fired;
-  if (g_oom.times > 0 && g_oom.fired >= g_oom.times) detail::g_oom_armed = false;
+  if (g_oom.times > 0 && g_oom.fired >= g_oom.times) {
+    g_oom_armed = false;
+    update_gates();
+  }
   return true;
 }
 // [docs:end OOM_FAULT_FIRES]
@@ -116,12 +136,14 @@ void arm_kernel_fault(int device, int64_t stream, const std::string& op, int64_t
   if (!g_callback)
     g_callback = at::addGlobalCallback(
         at::RecordFunctionCallback(&op_enter, &op_exit).scopes({at::RecordScope::FUNCTION}));
-  detail::g_kernel_fault_armed = true;
+  g_kernel_armed = true;
+  update_gates();
 }
 
 void disarm_kernel_fault() {
   std::lock_guard lock(g_mutex);
-  detail::g_kernel_fault_armed = false;
+  g_kernel_armed = false;
+  update_gates();
   if (g_callback) {
     at::removeCallback(*g_callback);
     g_callback.reset();
@@ -133,7 +155,8 @@ void kernel_fault_launch(int device, int64_t stream) {
   std::string name = "an openreg kernel";
   if (!t_ops.empty()) name = t_ops.back();
   std::lock_guard lock(g_mutex);
-  if (!detail::g_kernel_fault_armed.load() || (g_kernel.device >= 0 && g_kernel.device != device) ||
+  if (g_lost & (uint64_t(1) << device)) raise_lost(device);
+  if (!g_kernel_armed || (g_kernel.device >= 0 && g_kernel.device != device) ||
       (g_kernel.stream >= 0 && g_kernel.stream != stream))
     return;
   if (!g_kernel.op.empty()) {
@@ -148,7 +171,8 @@ void kernel_fault_launch(int device, int64_t stream) {
     if (!found) return;
   }
   if (++g_kernel.seen < g_kernel.nth) return;
-  detail::g_kernel_fault_armed = false;  // fires once
+  g_kernel_armed = false;  // fires once
+  update_gates();
   if (!g_device_errors[device].empty()) return;  // the first error is the one reported
   const bool assert_kind = g_kernel.kind == "assert";
   // CUDA's error codes: cudaErrorIllegalAddress (700), cudaErrorAssert (710).
@@ -183,8 +207,26 @@ void reset_device_fault(int device) {
   check_device(device);
   std::lock_guard lock(g_mutex);
   g_device_errors[device].clear();
+  g_lost &= ~(uint64_t(1) << device);
+  update_gates();
   detail::g_faulted_devices.fetch_and(~(uint64_t(1) << device));
 }
+
+// [docs:start DEVICE_LOST]
+void lose_device(int device) {
+  check_device(device);
+  std::lock_guard lock(g_mutex);
+  g_device_errors[device] = c10::str(
+      "openreg error: openreg:", device, " is no longer available: the device disappeared "
+      "(injected by torch.openreg.faults.device_lost). Every allocation, kernel and "
+      "synchronizing call on openreg:", device, " fails until "
+      "torch.openreg.faults.reset_device(", device, "); other devices are not affected.");
+  g_device_codes[device] = 46;  // cudaErrorDevicesUnavailable
+  g_lost |= uint64_t(1) << device;
+  update_gates();
+  detail::g_faulted_devices.fetch_or(uint64_t(1) << device);
+}
+// [docs:end DEVICE_LOST]
 
 std::string device_fault(int device) {
   check_device(device);

@@ -13,9 +13,12 @@
 namespace openreg {
 
 namespace detail {
-extern std::atomic<bool> g_oom_armed;
-extern std::atomic<bool> g_kernel_fault_armed;
-extern std::atomic<uint64_t> g_faulted_devices;  // bit d: openreg:d has a sticky kernel error
+// Gates of the checks, each true only while something could fire there (recomputed under the
+// faults' mutex): an allocation check (an armed oom fault, a lost device), a launch check (an
+// armed kernel fault, a lost device).
+extern std::atomic<bool> g_check_alloc;
+extern std::atomic<bool> g_check_launch;
+extern std::atomic<uint64_t> g_faulted_devices;  // bit d: openreg:d has a sticky error
 void raise_device_fault(int device);
 }  // namespace detail
 bool oom_fault_fires(int device, size_t requested);
@@ -30,7 +33,7 @@ int64_t oom_fired();  // injected out-of-memory errors since the fault was armed
 // [docs:start OOM_FAULT_CHECK]
 // Called by the caching allocator for each allocation: true when this one must fail.
 inline bool inject_oom(int device, size_t requested) {
-  return C10_UNLIKELY(detail::g_oom_armed.load(std::memory_order_relaxed)) &&
+  return C10_UNLIKELY(detail::g_check_alloc.load(std::memory_order_relaxed)) &&
          oom_fault_fires(device, requested);
 }
 // [docs:end OOM_FAULT_CHECK]
@@ -49,7 +52,7 @@ std::string device_fault(int device);  // "" when the device has none
 // [docs:start KERNEL_FAULT_CHECKS]
 // Called at each kernel launch (LaunchScope, a queued kernel of the asynchronous mode).
 inline void on_kernel_launch(int device, int64_t stream) {
-  if (C10_UNLIKELY(detail::g_kernel_fault_armed.load(std::memory_order_relaxed)))
+  if (C10_UNLIKELY(detail::g_check_launch.load(std::memory_order_relaxed)))
     kernel_fault_launch(device, stream);
 }
 // Called by the synchronizing calls (synchronize, query, .item(), a blocking copy to the host,
@@ -59,6 +62,11 @@ inline void check_device_fault(int device) {
     detail::raise_device_fault(device);
 }
 // [docs:end KERNEL_FAULT_CHECKS]
+
+// ---- a device that disappears (torch.openreg.faults.device_lost)
+// From now on every allocation, kernel launch and synchronizing call on `device` raises
+// torch.AcceleratorError naming it, until reset_device_fault(device).
+void lose_device(int device);
 
 // ---- collectives (torch.openreg.faults.collective_hang / rank_exit)
 // Arms: this process's `nth` occl collective from now never completes ("hang": the rank is

@@ -570,10 +570,10 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
                       "lists what can be captured");
   const bool profiling = g_recorder.load(std::memory_order_relaxed) != nullptr;
   if (profiling) issue_ns_ = wall_ns();  // the host calls the device
+  on_kernel_launch(s->device(), s->id());  // an injected failure (runtime/faults.h)
   s->begin_kernel();
   push_held(s);
   stream_ = s;
-  on_kernel_launch(s->device(), s->id());  // an injected failure (runtime/faults.h)
   if (g_launch_reports_errors.load(std::memory_order_relaxed) && s->has_error()) {
     // Asynchronous kernel mode: the queued work this launch waited for failed (stream.h).
     pop_held(s);
