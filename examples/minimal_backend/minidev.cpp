@@ -424,6 +424,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", resize_tensor);
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
+  // A CompositeExplicitAutograd kernel would run on the device instead of the CPU kernel.
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 // [docs:end FALLBACK]
 
