@@ -8,8 +8,8 @@
 // streams that queue work and events that wait for it (docs/streams.md, docs/events.md), lazy
 // initialisation and fork detection (docs/device.md), pinned memory (docs/host_allocator.md), a
 // zero-copy fallback (docs/fallback.md), views other than view/as_strided/_reshape_alias
-// (docs/minimal_ops.md), backend metadata in checkpoints (docs/serialization.md), autocast,
-// compile, distributed and the profiler (their pages in docs/).
+// (docs/minimal_ops.md), backend metadata in checkpoints (docs/serialization.md), compile,
+// distributed and the profiler (their pages in docs/). Autocast is optional/autocast.cpp.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
@@ -424,6 +424,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", resize_tensor);
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 // [docs:end FALLBACK]
 

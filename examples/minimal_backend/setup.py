@@ -15,7 +15,10 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 setup(
     name="minidev",
     packages=["minidev"],
-    ext_modules=[CppExtension("minidev._C", ["minidev.cpp"], extra_compile_args=["-O2"])],
+    ext_modules=[
+        CppExtension("minidev._C", ["minidev.cpp"], extra_compile_args=["-O2"]),
+        # optional mechanisms, an extension each (minidev does without any of them)
+        CppExtension("minidev._autocast", ["optional/autocast.cpp"], extra_compile_args=["-O2"])],
     cmdclass={"build_ext": BuildExtension},
 )
 # [docs:end SETUP]

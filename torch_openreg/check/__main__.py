@@ -87,7 +87,8 @@ def supervise(args: argparse.Namespace, argv: list[str]):
                *[x for n in pending for x in ("--only", n)]]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                                  timeout=args.timeout * len(pending) + 120)
+                                  timeout=sum(max(args.timeout, by_name[n].min_timeout)
+                                              for n in pending) + 120)
             out, code = proc.stdout, proc.returncode
             err = proc.stderr
         except subprocess.TimeoutExpired as e:

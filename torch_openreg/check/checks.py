@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -81,15 +82,17 @@ class Check:
     # a backend configures while Inductor is first imported stays in the importing thread), and
     # Kineto wants its first profiling session on the thread that registered its client.
     main_thread: bool = False
+    # The least time the check gets, whatever --timeout says: starting processes takes its time.
+    min_timeout: float = 0.0
 
 
 CHECKS: list[Check] = []
 
 
 def check(name: str, mechanism: str, *, required: bool, guide: str, fix: str,
-          main_thread: bool = False):
+          main_thread: bool = False, min_timeout: float = 0.0):
     def register(func: Callable[[Context], str | None]):
-        CHECKS.append(Check(name, mechanism, required, guide, fix, func, main_thread))
+        CHECKS.append(Check(name, mechanism, required, guide, fix, func, main_thread, min_timeout))
         return func
     return register
 
@@ -162,7 +165,8 @@ def check_device_module(ctx: Context) -> str:
 
 @check("accelerator", "torch.accelerator device-agnostic API", required=True, guide="accelerator.md",
        fix="implement the PrivateUse1 hooks (isAvailable, deviceCount) and a "
-           "DeviceGuardImplInterface (device, stream and synchronize entry points) in C++")
+           "DeviceGuardImplInterface (device, stream and synchronize entry points) in C++, and "
+           "make the device module's device_count() return the same count")
 def check_accelerator(ctx: Context) -> str:
     acc = torch.accelerator
     expect(acc.is_available(), "torch.accelerator.is_available() is False")
@@ -170,9 +174,18 @@ def check_accelerator(ctx: Context) -> str:
     expect(cur is not None and cur.type == ctx.device,
            f"current_accelerator() is {cur}, expected {ctx.device}")
     n = acc.device_count()
-    if ctx.module is not None and callable(getattr(ctx.module, "device_count", None)):
-        expect(n == ctx.module.device_count(),
-               f"torch.accelerator.device_count() {n} != torch.{ctx.device}.device_count()")
+    expect(isinstance(n, int) and n >= 1, f"torch.accelerator.device_count() is {n!r}")
+    # torch.accelerator asks the device module for the count (torch 2.15), the C++ side decides
+    # which devices exist: both must agree.
+    torch.empty(1, device=ctx.dev(n - 1))
+    try:
+        torch.empty(1, device=ctx.dev(n))
+    except (RuntimeError, AssertionError, ValueError, IndexError):
+        pass
+    else:
+        raise CheckFailed(f"torch.accelerator.device_count() is {n}, but {ctx.dev(n)} accepts "
+                          f"tensors: torch.{ctx.device}.device_count() and the hooks' deviceCount "
+                          "disagree", ["device_count"])
     before = acc.current_device_index()
     acc.set_device_index(n - 1)
     try:
@@ -192,8 +205,9 @@ def check_accelerator(ctx: Context) -> str:
 
 @check("device_guard", "DeviceGuard: current device and current stream are per thread",
        required=True, guide="accelerator.md",
-       fix="implement c10::impl::DeviceGuardImplInterface (getDevice/setDevice/exchangeDevice, "
-           "getStream/exchangeStream with a thread-local current stream, getNewStream for "
+       fix="implement c10::impl::DeviceGuardImplInterface (getDevice/setDevice/exchangeDevice "
+           "with a thread-local current device, getStream/exchangeStream with a thread-local "
+           "current stream, getNewStream for "
            "torch.Stream(device=...)) and register it with "
            "C10_REGISTER_GUARD_IMPL(PrivateUse1, ...)")
 def check_device_guard(ctx: Context) -> str:
@@ -212,6 +226,8 @@ def check_device_guard(ctx: Context) -> str:
         expect(acc.current_device_index() == 0,
                "set_device_index in another thread changed this thread's current device")
         notes.append("device per thread")
+    else:
+        notes.append("one device: device per thread not checked")
     acc.set_stream(side)
     try:
         expect(acc.current_stream() == side, "set_stream() is not seen by current_stream()")
@@ -425,14 +441,17 @@ def check_generators(ctx: Context) -> str:
         same(torch.randn(8, device=ctx.dev(0)), d0,
              "seeding device 1 changed what device 0 draws (generators are not per device)")
         return "seeding, state round trip, torch.Generator, per device"
-    return "seeding, state round trip, torch.Generator"
+    return "seeding, state round trip, torch.Generator; one device: per device not checked"
 
 
 # --- autocast -------------------------------------------------------------------------------------
 
-@check("autocast", "autocast (mixed precision) policies", required=False, guide="autocast.md",
-       fix="register autocast kernels for AutocastPrivateUse1 (lower precision for matmuls, fp32 "
-           "for reductions) and expose get_amp_supported_dtype() in the device module")
+@check("autocast", "autocast (mixed precision): a policy casts down and promotes", required=False,
+       guide="autocast.md",
+       fix="for the AutocastPrivateUse1 dispatch key, register a fallthrough for every operator "
+           "(m.fallback(torch::CppFunction::makeFallthrough())) and kernels that apply a policy "
+           "(KERNEL_PRIVATEUSEONE: lower_precision_fp for mm, fp32_set_opt_dtype for softmax); "
+           "expose get_amp_supported_dtype() in the device module")
 def check_autocast(ctx: Context) -> str:
     expect(torch.amp.is_autocast_available(ctx.device), "torch.amp.is_autocast_available() is False")
     m = ctx.need_functions("get_amp_supported_dtype")
@@ -440,13 +459,22 @@ def check_autocast(ctx: Context) -> str:
     low = torch.bfloat16 if torch.bfloat16 in dtypes else (dtypes[0] if dtypes else None)
     expect(low is not None, "get_amp_supported_dtype() is empty")
     a = torch.randn(8, 8, device=ctx.dev(0))
-    with torch.autocast(ctx.device, dtype=low):
-        mm = a @ a
-        sm = torch.softmax(a, 0)
-    expect(mm.dtype == low, f"matmul under autocast gave {mm.dtype}, expected {low}: no "
-           "AutocastPrivateUse1 kernel for mm")
-    expect(sm.dtype == torch.float32, f"softmax under autocast gave {sm.dtype}, expected float32")
-    return f"supported {[str(d).replace('torch.', '') for d in dtypes]}"
+    try:
+        with torch.autocast(ctx.device, dtype=low):
+            mm = a @ a  # float32 in: the policy casts it down
+            sm = torch.softmax(a.to(low), 0)  # low precision in: the policy computes it in float32
+    except NotImplementedError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise CheckFailed(f"an operator under autocast raised NotImplementedError ({first}): the "
+                          "AutocastPrivateUse1 key has no kernel and no fallthrough",
+                          ["AutocastPrivateUse1 fallthrough"])
+    expect(mm.dtype == low, f"matmul of float32 tensors under autocast gave {mm.dtype}, expected "
+           f"{low}: no AutocastPrivateUse1 kernel casts it down", ["lower_precision_fp mm"])
+    expect(sm.dtype == torch.float32, f"softmax of a {low} tensor under autocast gave {sm.dtype}, "
+           "expected float32: no AutocastPrivateUse1 kernel computes it in float32",
+           ["fp32_set_opt_dtype softmax"])
+    return (f"mm -> {str(low).replace('torch.', '')}, softmax({str(low).replace('torch.', '')}) -> "
+            f"float32; supported {[str(d).replace('torch.', '') for d in dtypes]}")
 
 
 # --- serialization --------------------------------------------------------------------------------
@@ -582,6 +610,8 @@ def check_copies(ctx: Context) -> str:
         torch.accelerator.synchronize(1)
         same(dst, cpu.t(), "non_blocking strided copy across devices")
         notes += ", across devices"
+    else:
+        notes += "; one device: across devices not checked"
     return notes
 
 
@@ -656,7 +686,10 @@ def _minimal_cases(dev: torch.device) -> dict[str, Callable[[], None]]:
 
     def as_strided():
         t = torch.arange(6.0, device=dev)
-        same(t.as_strided((2, 2), (1, 2), 1), torch.arange(6.0).as_strided((2, 2), (1, 2), 1), "as_strided")
+        v = t.as_strided((2, 2), (1, 2), 1)
+        same(v, torch.arange(6.0).as_strided((2, 2), (1, 2), 1), "as_strided")
+        v[1, 1] = 10
+        expect(t[4].item() == 10, "as_strided does not share storage (it ran on a copy)")
 
     def resize_():
         t = torch.empty(0, device=dev)
@@ -702,7 +735,7 @@ def check_minimal_ops(ctx: Context) -> str:
     return f"{len(cases)} operators"
 
 
-OPINFO_SAMPLE = ("add", "mul", "div", "exp", "sigmoid", "sum", "mean", "amax", "matmul", "cat",
+OPINFO_SAMPLE = ("add", "mul", "true_divide", "exp", "sigmoid", "sum", "mean", "amax", "matmul", "cat",
                  "where", "index_select", "gather", "softmax", "nn.functional.relu",
                  "nn.functional.layer_norm", "cumsum", "sort", "masked_fill", "clamp")
 
@@ -710,12 +743,16 @@ OPINFO_SAMPLE = ("add", "mul", "div", "exp", "sigmoid", "sum", "mean", "amax", "
 @check("opinfo_sample", "a sample of OpInfo operators against the CPU", required=False,
        guide="fallback.md",
        fix="implement the failing operators (or a fallback that runs them) for PrivateUse1; an "
-           "operator with a CompositeExplicitAutograd kernel never reaches the fallback and needs "
-           "a PrivateUse1 kernel of its own to match the CPU")
+           "operator with a CompositeExplicitAutograd kernel (native_layer_norm) never reaches "
+           "the fallback: register the fallback for it by name, or a kernel of its own, to match "
+           "the CPU")
 def check_opinfo_sample(ctx: Context) -> str:
     from torch.testing._internal.common_methods_invocations import op_db
 
     ops = {op.name: op for op in op_db if op.name in OPINFO_SAMPLE and not op.variant_test_name}
+    absent = [name for name in OPINFO_SAMPLE if name not in ops]
+    expect(not absent, f"this torch's OpInfo database has no entry (without a variant) for",
+           absent)  # a renamed OpInfo is the check's own bug: never compare fewer ops silently
     dev, failed, details, compared = ctx.dev(0), [], [], 0
     for name in OPINFO_SAMPLE:
         op = ops.get(name)
@@ -821,36 +858,136 @@ def check_autograd(ctx: Context) -> str:
 
 # --- distributed ----------------------------------------------------------------------------------
 
-@check("distributed", "torch.distributed backend registered for the device", required=False,
-       guide="distributed.md",
-       fix="register a c10d backend with torch.distributed.Backend.register_backend(name, creator, "
-           "devices=[device]) so init_process_group() picks it for device tensors")
+# One rank of a two-process group: every collective gets inputs that differ by rank, so only real
+# communication gives the expected results (on one rank, all_reduce is the identity).
+DISTRIBUTED_SCRIPT = """
+import datetime, json, sys, torch
+{imports}
+import torch.distributed as dist
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+step = "init_process_group"
+out = {{}}
+try:
+    dist.init_process_group(store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds={timeout}))
+    index = rank % torch.accelerator.device_count()
+    torch.accelerator.set_device_index(index)
+    dev = torch.device("{dev}", index)
+    step = "all_reduce"
+    t = torch.arange(4.0, device=dev) + 10 * rank
+    dist.all_reduce(t)
+    out[step] = t.cpu().tolist()
+    step = "broadcast"
+    b = torch.full((3,), rank + 1.0, device=dev)
+    dist.broadcast(b, src=1)
+    out[step] = b.cpu().tolist()
+    step = "all_gather"
+    parts = [torch.zeros(2, device=dev) for _ in range(2)]
+    dist.all_gather(parts, torch.tensor([rank, rank + 0.5], device=dev))
+    out[step] = [p.cpu().tolist() for p in parts]
+    step = "send/recv"
+    if rank == 0:
+        dist.send(torch.tensor([7.0, 8.0], device=dev), dst=1)
+    else:
+        r = torch.zeros(2, device=dev)
+        dist.recv(r, src=0)
+        out[step] = r.cpu().tolist()
+    torch.accelerator.synchronize()
+    step = "destroy_process_group"
+    dist.destroy_process_group()
+    print("@@RESULT " + json.dumps(out), flush=True)
+except BaseException as e:
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    print("@@ERROR " + json.dumps([step, type(e).__name__ + ": " + first, out]), flush=True)
+    sys.exit(1)
+"""
+
+DISTRIBUTED_LIMIT = 120  # seconds for the two ranks, imports included (a loaded machine is slow)
+DISTRIBUTED_EXPECTED = {
+    "all_reduce": [[10.0, 12.0, 14.0, 16.0]] * 2,
+    "broadcast": [[2.0, 2.0, 2.0]] * 2,
+    "all_gather": [[[0.0, 0.5], [1.0, 1.5]]] * 2,
+    "send/recv": [None, [7.0, 8.0]],
+}
+
+
+@check("distributed", "torch.distributed: collectives between two processes on the device",
+       required=False, guide="distributed.md",
+       fix="implement a c10d::Backend for the device (allreduce, broadcast, allgather, send, recv "
+           "that communicate between processes) and register its creator with "
+           "torch.distributed.Backend.register_backend(name, creator, devices=[device]) so "
+           "init_process_group() picks it for device tensors", min_timeout=DISTRIBUTED_LIMIT + 30)
 def check_distributed(ctx: Context) -> str:
+    import json
+    import tempfile
+
     import torch.distributed as dist
     expect(dist.is_available(), "torch.distributed is not available in this build")
     name = dist.Backend.default_device_backend_map.get(ctx.device)
     expect(name is not None, f"no c10d backend registered for device {ctx.device!r}",
            [f"Backend.default_device_backend_map[{ctx.device!r}]"])
-    if dist.is_initialized():
-        return f"backend {name!r} registered (a process group exists: not run)"
-    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        t = torch.arange(4.0, device=ctx.dev(0))
-        dist.all_reduce(t)
-        torch.accelerator.synchronize()
-        same(t, torch.arange(4.0), "all_reduce on one rank")
-    finally:
-        dist.destroy_process_group()
-    return f"backend {name!r}: init_process_group() and all_reduce on one rank"
+    imports = "\n".join(f"import {m}" for m in ctx.imports)
+    limit = DISTRIBUTED_LIMIT
+    script = DISTRIBUTED_SCRIPT.format(dev=ctx.device, imports=imports, timeout=limit // 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), store],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        # Both ranks end, or one fails (the other then waits for it forever) or the time is up.
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+        hung = [rank for rank, p in enumerate(procs) if p.poll() is None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        outputs = [proc.communicate() for proc in procs]
+    if len(hung) == 2:
+        raise CheckFailed(f"neither rank finished within {limit} s: a collective that never "
+                          "completes (no communication between the processes?)")
+    results = []
+    for rank, (stdout, stderr) in enumerate(outputs):
+        lines = [l for l in stdout.splitlines() if l.startswith("@@")]
+        if lines and lines[-1].startswith("@@RESULT "):
+            results.append(json.loads(lines[-1][len("@@RESULT "):]))
+            continue
+        if lines and lines[-1].startswith("@@ERROR "):
+            step, error, _ = json.loads(lines[-1][len("@@ERROR "):])
+            raise CheckFailed(f"rank {rank} of 2: {step} on {ctx.device} tensors raised {error}",
+                              [step])
+        if rank in hung:
+            continue  # waited for the other rank, which failed: that one is the finding
+        errors = [l for l in stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", l)]
+        raise CheckFailed(f"rank {rank} of 2 died (exit {procs[rank].returncode}): "
+                          + (errors[-1][:160] if errors else "no error message"))
+    if hung:
+        raise CheckFailed(f"rank {hung[0]} of 2 did not finish within {limit} s, the other did: "
+                          "a collective that never completes")
+    for step, expected in DISTRIBUTED_EXPECTED.items():
+        for rank, want in enumerate(expected):
+            got = results[rank].get(step)
+            expect(got == want, f"{step} between two processes: rank {rank} got {got}, expected "
+                   f"{want} (inputs differ by rank: only communication gives it)", [step])
+    devices = "one device, both ranks on it" if ctx.count < 2 else "rank i on device i"
+    return (f"backend {name!r}, 2 processes ({devices}): all_reduce, broadcast, all_gather, "
+            "send/recv")
 
 
 # --- compile --------------------------------------------------------------------------------------
 
-@check("compile", "torch.compile: Dynamo device interface and Inductor registration", required=False,
+def _compiled_function(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (torch.sin(a) * b + 1).sum(dim=1)
+
+
+@check("compile", "torch.compile with Inductor on the device: forward and backward", required=False,
        guide="compile.md",
        fix="register a torch._dynamo.device_interface.DeviceInterface with "
-           "register_interface_for_device and Inductor codegen with "
-           "torch._inductor.codegen.common.register_backend_for_device", main_thread=True)
+           "register_interface_for_device, and Inductor's scheduling and wrapper code generation "
+           "for the device with torch._inductor.codegen.common.register_backend_for_device (and "
+           "register_device_op_overrides for the device lines of generated code)", main_thread=True)
 def check_compile(ctx: Context) -> str:
     from torch._dynamo import device_interface as di
     try:
@@ -867,27 +1004,59 @@ def check_compile(ctx: Context) -> str:
     importlib.import_module("torch._inductor.codegen.wrapper")
     expect(common.get_scheduling_for_device(ctx.device) is not None,
            "Inductor has no scheduling for the device", ["register_backend_for_device"])
-    fn = torch.compile(lambda a: torch.sin(a) * 2 + 1, backend="eager", fullgraph=True)
-    a = torch.randn(8, device=ctx.dev(0))
-    same(fn(a), torch.sin(a.cpu()) * 2 + 1, "a Dynamo-traced function on the device")
-    return f"{getattr(iface, '__name__', type(iface).__name__)}, Inductor scheduling registered"
+    # What a user writes: torch.compile with its default backend, Inductor, forward and backward.
+    torch._dynamo.reset()
+    compiled = torch.compile(_compiled_function, fullgraph=True)
+    a_cpu, b_cpu = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    a = a_cpu.detach().to(ctx.dev(0)).requires_grad_()
+    from torch._inductor.utils import run_and_get_code
+    try:
+        out, codes = run_and_get_code(compiled, a, b_cpu.to(ctx.dev(0)))
+        out.sum().backward()
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise CheckFailed(f"torch.compile (Inductor) of a function on {ctx.device} tensors raised "
+                          f"{type(e).__name__}: {first}", ["register_backend_for_device"])
+    finally:
+        torch._dynamo.reset()
+    expect(bool(codes), "torch.compile ran, but Inductor generated no code for the device (did "
+           "Dynamo fall back to eager?)", ["register_backend_for_device"])
+    expect(out.device == ctx.dev(0), f"the compiled function's output is on {out.device}")
+    ref = _compiled_function(a_cpu, b_cpu)
+    ref.sum().backward()
+    same(out, ref, "compiled forward")
+    expect(a.grad is not None and a.grad.device == ctx.dev(0), "no gradient on the device after "
+           "backward through the compiled function")
+    same(a.grad, a_cpu.grad, "compiled backward (gradient)")
+    return (f"{getattr(iface, '__name__', type(iface).__name__)}; Inductor forward and backward "
+            "equal to the CPU")
 
 
 # --- profiler -------------------------------------------------------------------------------------
 
-@check("profiler", "profiler: device activity (ProfilerActivity.PrivateUse1)", required=False,
-       guide="profiler.md",
-       fix="register profiler stubs (torch::profiler::impl::registerPrivateUse1Methods) or a Kineto "
-           "activity profiler that reports device kernels", main_thread=True)
+@check("profiler", "profiler: device kernels on the device timeline (ProfilerActivity.PrivateUse1)",
+       required=False, guide="profiler.md",
+       fix="implement a Kineto activity-profiler plugin (a libkineto::IActivityProfiler whose "
+           "session reports each device kernel as a CONCURRENT_KERNEL activity linked to the "
+           "operator that launched it) and register it with "
+           "torch::profiler::impl::PrivateUse1ProfilerRegistry (REGISTER_PRIVATEUSE1_PROFILER)",
+       main_thread=True)
 def check_profiler(ctx: Context) -> str:
     from torch.profiler import ProfilerActivity, profile
     x = torch.randn(64, 64, device=ctx.dev(0))
+    torch.accelerator.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
         y = x @ x
         torch.accelerator.synchronize()
     del y
     events = prof.events()
-    on_device = [e for e in events if e.device_type not in (torch.autograd.DeviceType.CPU,)]
-    device_time = sum(e.self_device_time_total for e in events)
-    expect(on_device or device_time > 0, "no device events and no device time in the profile")
-    return f"{len(on_device)} device events, {device_time:.0f} us device time"
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.PrivateUse1]
+    expect(bool(on_device), "no kernel events on the device timeline: the profile holds CPU "
+           "operators only", ["libkineto::IActivityProfiler"])
+    mm = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+          and e.name in ("aten::mm", "aten::matmul")]
+    device_time = sum(e.device_time_total for e in mm)
+    expect(device_time > 0, f"{len(on_device)} device events, but the matmul's operator has no "
+           "device time: its kernel is not linked to the operator that launched it (correlation "
+           "id)", ["CONCURRENT_KERNEL"])
+    return f"{len(on_device)} device events, the matmul's kernel {device_time:.0f} us"

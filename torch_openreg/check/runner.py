@@ -36,6 +36,7 @@ class Result:
 def run_one(check: Check, ctx: Context, timeout: float = 60.0) -> Result:
     """Runs one check in a thread so that a hang becomes a failure after ``timeout`` seconds."""
     out: dict = {}
+    timeout = max(timeout, check.min_timeout)
 
     def body():
         try:

@@ -125,3 +125,14 @@ torch._register_device_module("minidev", sys.modules[__name__])  # this package
 torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_storage=True)
 # [docs:end REGISTRATION]
+
+
+# [docs:start OPTIONAL]
+# Optional mechanisms, a file each in optional/ built by setup.py: one not built is left out.
+try:
+    from . import _autocast  # noqa: F401  loading it registers the AutocastPrivateUse1 kernels
+    def get_amp_supported_dtype() -> list:  # the dtypes torch.autocast("minidev") accepts
+        return [torch.float16, torch.bfloat16]
+except ImportError:
+    pass
+# [docs:end OPTIONAL]
