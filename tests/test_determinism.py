@@ -193,6 +193,16 @@ def test_documented_differences_are_in_the_last_bits_only():
         ref = conv(xc)
         got = conv.to("openreg")(xc.to("openreg"))
         assert torch.equal(got.cpu(), ref) and got.is_contiguous()
+        # Attention's gradients with create_graph=True: differentiable operators, not the CPU's
+        # flash kernel (which has no second derivative); an ordinary backward is the kernel's.
+        q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+        qd, kd, vd = (t.detach().to("openreg").requires_grad_() for t in (q, k, v))
+        g = torch.randn(2, 3, 5, 8)
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), g)
+        out = F.scaled_dot_product_attention(qd, kd, vd)
+        got = torch.autograd.grad(out, (qd, kd, vd), g.to("openreg"), create_graph=True)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.detach().cpu(), b, rtol=1e-5, atol=1e-6)
     finally:
         torch.set_num_threads(threads)
 

@@ -6,12 +6,15 @@ _fused_sdp_choice.
 Every result is compared with the same computation on the CPU. The RNN cells are in test_rnn.py.
 """
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
+
+import torch_openreg
 
 
 def to_device(tensors, device):
@@ -486,6 +489,283 @@ def test_sdpa_equals_the_cpu_bit_for_bit(case, dtype):
     for a, b in ((qd, q), (kd, k), (vd, v), (maskd, mask)):
         if b is not None and b.requires_grad:
             assert torch.equal(a.grad.cpu(), b.grad) and a.grad.stride() == b.grad.stride()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The second derivative through the overrideable attention (backward with create_graph=True)
+# ---------------------------------------------------------------------------------------------
+
+def route_calls(name):
+    return torch_openreg._C._route_calls("overrideable_ops.attention_backward." + name)
+
+
+# (query shape, key/value shape, keyword arguments of scaled_dot_product_attention, mask: None,
+# or its kind ("bool", "bool_empty_row", "float", "float_grad") and shape)
+GRADGRAD_ATTENTION = {
+    "plain": ((1, 2, 3, 4), (1, 2, 4, 4), {}, None),
+    "causal_scale": ((1, 2, 4, 4), (1, 2, 4, 4), dict(is_causal=True, scale=0.7), None),
+    "causal_rectangular": ((1, 1, 3, 4), (1, 1, 5, 4), dict(is_causal=True), None),
+    "bool_mask": ((2, 2, 3, 4), (2, 2, 4, 4), {}, ("bool", (3, 4))),
+    "bool_mask_row_masked_entirely": ((1, 2, 3, 4), (1, 2, 4, 4), {}, ("bool_empty_row", (3, 4))),
+    "float_mask": ((2, 2, 3, 4), (2, 2, 4, 4), {}, ("float", (2, 1, 3, 4))),
+    "float_mask_with_grad": ((1, 2, 3, 4), (1, 2, 4, 4), {}, ("float_grad", (3, 4))),
+    "unbatched_3d": ((2, 3, 4), (2, 4, 4), {}, None),
+    "gqa": ((1, 4, 3, 4), (1, 2, 4, 4), dict(enable_gqa=True), None),
+    "value_dim_differs": ((1, 2, 3, 4), (1, 2, 4, 4), dict(value_dim=3), None),
+}
+
+
+def gradgrad_inputs(case, device):
+    """float64 leaves on `device` for a GRADGRAD_ATTENTION case; the mask comes last when it
+    requires grad, otherwise it is returned apart."""
+    shape_q, shape_kv, kwargs, mask_spec = GRADGRAD_ATTENTION[case]
+    kwargs = dict(kwargs)
+    shape_v = shape_kv[:-1] + (kwargs.pop("value_dim", shape_kv[-1]),)
+    q, k, v = (t.detach().to(device).requires_grad_() for t in
+               attention_inputs(shape_q, shape_kv, shape_v, dtype=torch.float64, seed=7))
+    mask = None
+    if mask_spec is not None:
+        kind, shape = mask_spec
+        g = torch.Generator().manual_seed(8)
+        if kind.startswith("bool"):
+            mask = torch.rand(shape, generator=g) > 0.3
+            mask[..., 0] = True
+            if kind == "bool_empty_row":
+                mask[1] = False  # the second query attends to nothing: output and gradients 0
+        else:
+            mask = torch.randn(shape, generator=g, dtype=torch.float64)
+        mask = mask.to(device).requires_grad_(kind == "float_grad")
+    inputs = (q, k, v, mask) if mask is not None and mask.requires_grad else (q, k, v)
+    return inputs, mask, kwargs
+
+
+def fused_attention(mask, kwargs):
+    """scaled_dot_product_attention on the overrideable backend (chosen explicitly: with the
+    default settings a mask that requires grad goes to the math backend, as on the CPU)."""
+    def fn(q, k, v, *grad_mask):
+        with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=grad_mask[0] if grad_mask else mask, **kwargs)
+        assert attention_node(out) == "ScaledDotProductFusedAttentionOverrideableBackward0"
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("case", list(GRADGRAD_ATTENTION))
+def test_sdpa_gradgradcheck_double(case):
+    inputs, mask, kwargs = gradgrad_inputs(case, "openreg")
+    fn = fused_attention(mask, kwargs)
+    before = route_calls("differentiable")
+    assert torch.autograd.gradgradcheck(fn, inputs)
+    assert route_calls("differentiable") > before
+
+
+def second_derivatives(fn, inputs, seed=9):
+    """The gradients, with create_graph=True, of <fn(inputs), w>, and the gradients of
+    <those gradients, u> with respect to the inputs (u, w fixed random directions)."""
+    g = torch.Generator().manual_seed(seed)
+    out = fn(*inputs)
+    w = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+    grads = torch.autograd.grad(out, inputs, w, create_graph=True)
+    u = [torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device) for x in grads]
+    second = torch.autograd.grad(grads, inputs, u)
+    return [x.detach().cpu() for x in grads], [x.cpu() for x in second]
+
+
+@pytest.mark.parametrize("case", list(GRADGRAD_ATTENTION))
+def test_sdpa_second_derivative_equals_the_cpu(device, case):
+    inputs, mask, kwargs = gradgrad_inputs(case, device)
+    cpu_inputs = [x.detach().cpu().requires_grad_() for x in inputs]
+    cpu_mask = None if mask is None or mask.requires_grad else mask.cpu()
+
+    def cpu_fn(q, k, v, *grad_mask):
+        # The CPU's own backward for these inputs, its flash kernel, has no derivative (below):
+        # the reference is its math backend.
+        return math_reference(q, k, v, attn_mask=grad_mask[0] if grad_mask else cpu_mask,
+                              **kwargs)
+
+    first, second = second_derivatives(fused_attention(mask, kwargs), inputs)
+    first_cpu, second_cpu = second_derivatives(cpu_fn, cpu_inputs)
+    for a, b in zip(first + second, first_cpu + second_cpu):
+        torch.testing.assert_close(a, b)
+    cpu_attn_mask = cpu_inputs[3] if len(cpu_inputs) > 3 else cpu_mask
+    choice = torch._fused_sdp_choice(*cpu_inputs[:3], cpu_attn_mask, **kwargs)
+    if choice == SDPBackend.FLASH_ATTENTION.value:
+        out = F.scaled_dot_product_attention(*cpu_inputs[:3], attn_mask=cpu_attn_mask, **kwargs)
+        grads = torch.autograd.grad(out, cpu_inputs, torch.ones_like(out), create_graph=True)
+        with pytest.raises(RuntimeError, match="derivative for .*_backward is not implemented"):
+            torch.autograd.grad(grads[0].sum(), cpu_inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_second_derivative_with_dropout_uses_the_forward_mask(device, causal):
+    # The second derivative applies the forward's dropout mask again (regenerated from the seed
+    # the forward returned): the math backend given that mask gives the same derivatives.
+    q, k, v = (t.detach().requires_grad_() for t in
+               attention_inputs((1, 2, 4, 4), (1, 2, 5, 4), dtype=torch.float64, seed=3))
+    p = 0.4
+    qd, kd, vd = to_device([q, k, v], device)
+    seed_device(device, 6)
+    keep = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        qd.detach(), kd.detach(), vd.detach(), None, p, causal, True)[8]
+
+    def fused(q, k, v):
+        seed_device(device, 6)  # the same seed: the same mask as `keep`
+        with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+
+    def math_backend(q, k, v):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, None, p, causal, keep.cpu())[0]
+
+    with warnings.catch_warnings():  # "Dropout mask should only be used for testing purposes"
+        warnings.simplefilter("ignore", UserWarning)
+        expected = second_derivatives(math_backend, [q, k, v])
+    for a, b in zip(sum(second_derivatives(fused, [qd, kd, vd]), []), sum(expected, [])):
+        torch.testing.assert_close(a, b)
+
+
+def test_sdpa_first_backward_keeps_the_overrideable_kernel(device):
+    # An ordinary backward runs the overrideable backward kernel (here the CPU's flash kernel on
+    # the device memory, whose bits test_sdpa_equals_the_cpu_bit_for_bit checks); only a backward
+    # that must be differentiable (create_graph=True) computes the gradients with
+    # differentiable operators.
+    q, k, v = (t.detach().to(device).requires_grad_() for t in
+               attention_inputs((2, 3, 5, 8), (2, 3, 7, 8)))
+    kernel, differentiable = route_calls("kernel"), route_calls("differentiable")
+    ops = profiled_ops(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
+    assert (route_calls("kernel"), route_calls("differentiable")) == (kernel + 1, differentiable)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ops
+    assert "aten::_safe_softmax" not in ops
+
+    out = F.scaled_dot_product_attention(q, k, v)
+    ops = profiled_ops(lambda: torch.autograd.grad(out.sum(), (q, k, v), create_graph=True))
+    assert (route_calls("kernel"), route_calls("differentiable")) == \
+        (kernel + 1, differentiable + 1)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" not in ops
+    assert "aten::_safe_softmax" in ops
+    # Without create_graph the engine turns grad mode off: the kernel again.
+    torch.autograd.grad(F.scaled_dot_product_attention(q, k, v).sum(), (q, k, v))
+    assert route_calls("kernel") == kernel + 2
+
+
+
+def test_sdpa_third_derivative_equals_the_cpu():
+    # The differentiable gradients are ordinary operators: they differentiate again.
+    def third(device, backend):
+        q, k, v = (t.detach().to(device).requires_grad_() for t in
+                   attention_inputs((1, 2, 3, 4), (1, 2, 3, 4), dtype=torch.float64, seed=5))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v)
+        gq, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+        gk, = torch.autograd.grad(gq.pow(2).sum(), k, create_graph=True)
+        return torch.autograd.grad(gk.sum(), v)[0].cpu()
+
+    torch.testing.assert_close(third("openreg", SDPBackend.OVERRIDEABLE),
+                               third("cpu", SDPBackend.MATH))
+
+
+def test_sdpa_backward_operator_carries_forward_mode_tangents(device):
+    # The gradients are linear in grad_out: the tangent of the gradients along a tangent t of
+    # grad_out is the backward of t. torch's own autograd kernel refuses forward AD here.
+    q, k, v = (t.detach().to(device) for t in
+               attention_inputs((1, 2, 3, 4), (1, 2, 5, 4), dtype=torch.float64, seed=2))
+    out, lse, _, _, _, _, seed, offset, _ = \
+        torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, k, v)
+    backward = torch.ops.aten._scaled_dot_product_fused_attention_overrideable_backward
+    args = (q, k, v, None, [True, True, True, False], out, lse, None, None, 3, 5, 0.0, False,
+            seed, offset)
+    grad_out, tangent = torch.randn_like(out), torch.randn_like(out)
+    with torch.autograd.forward_ad.dual_level():
+        grads = backward(torch.autograd.forward_ad.make_dual(grad_out, tangent), *args)
+        tangents = [torch.autograd.forward_ad.unpack_dual(g).tangent for g in grads[:3]]
+    for a, b in zip(tangents, backward(tangent, *args)[:3]):
+        torch.testing.assert_close(a, b)
+
+
+def test_sdpa_double_backward_is_captured_and_dropout_refused():
+    def step(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v)
+        gq, = torch.autograd.grad(out.sum(), q, create_graph=True)
+        gq.pow(2).sum().backward()
+
+    q, k, v = (t.detach().to("openreg").requires_grad_() for t in
+               attention_inputs((1, 2, 3, 4), (1, 2, 3, 4)))
+    step(q, k, v)
+    eager = [t.grad.cpu() for t in (q, k, v)]
+    stream, graph = torch.Stream(device="openreg"), torch.accelerator.Graph()
+    with stream:  # warm-up on the capturing stream, as the CUDA graphs recipe does
+        step(q, k, v)
+    for t in (q, k, v):
+        t.grad = None
+    with stream, graph:
+        step(q, k, v)
+    graph.replay()
+    for t, expected in zip((q, k, v), eager):
+        assert torch.equal(t.grad.cpu(), expected)
+    with stream, torch.accelerator.Graph():
+        with sdpa_kernel(SDPBackend.OVERRIDEABLE):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+        with pytest.raises(RuntimeError, match="second derivative of attention with dropout_p > 0"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+def module_gradgradcheck(module, *args, **kwargs):
+    """gradgradcheck of a module's output with respect to its float64 inputs and parameters, as
+    PyTorch's test_modules.py test_gradgrad does; `kwargs` (masks) are passed as they are. In
+    gradcheck's fast mode (random projections), which test_modules uses for nn.Transformer: the
+    full mode takes 7 times as long (46 s for an encoder layer on a loaded machine)."""
+    names = [name for name, _ in module.named_parameters()]
+    params = tuple(p.detach().requires_grad_() for p in module.parameters())
+
+    def fn(*flat):
+        return torch.func.functional_call(module, dict(zip(names, flat[len(args):])),
+                                          flat[:len(args)], kwargs)
+
+    return torch.autograd.gradgradcheck(fn, tuple(args) + params, fast_mode=True)
+
+
+def float64_leaf(*shape):
+    return torch.randn(*shape, dtype=torch.float64, device="openreg", requires_grad=True)
+
+
+def test_transformer_encoder_layer_double_backward():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, 0.0).to("openreg", torch.float64)
+    before = route_calls("differentiable")
+    assert module_gradgradcheck(layer, float64_leaf(2, 3, 4))
+    assert route_calls("differentiable") > before
+    # Unbatched, with an attention mask and a key padding mask (bool), as in test_modules.
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, 0.0, batch_first=True, norm_first=True)
+    mask = torch.tensor([False, False, True], device="openreg").expand(3, 3)
+    pad = torch.tensor([False, False, True], device="openreg")
+    assert module_gradgradcheck(layer.to("openreg", torch.float64), float64_leaf(3, 4),
+                                src_mask=mask, src_key_padding_mask=pad)
+
+
+def test_transformer_decoder_layer_double_backward():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerDecoderLayer(4, 2, 8, 0.0, batch_first=True, norm_first=True)
+    layer = layer.to("openreg", torch.float64)
+    before = route_calls("differentiable")
+    assert module_gradgradcheck(layer, float64_leaf(2, 3, 4), float64_leaf(2, 4, 4))
+    assert route_calls("differentiable") > before
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(3, device="openreg",
+                                                                  dtype=torch.float64)
+    pad = torch.tensor([[False, False, False, True]] * 2, device="openreg")
+    assert module_gradgradcheck(layer, float64_leaf(2, 3, 4), float64_leaf(2, 4, 4),
+                                tgt_mask=causal, memory_key_padding_mask=pad)
+
+
+def test_transformer_double_backward():
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(d_model=4, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                 dim_feedforward=8, dropout=0.0, batch_first=True)
+    model = model.to("openreg", torch.float64)
+    before = route_calls("differentiable")
+    assert module_gradgradcheck(model, float64_leaf(1, 3, 4), float64_leaf(1, 2, 4))
+    assert route_calls("differentiable") > before
 
 
 def test_sdpa_errors():

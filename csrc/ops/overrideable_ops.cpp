@@ -17,6 +17,7 @@
 #include "adapters/graph.h"
 #include "adapters/generator.h"
 #include "ops/cpu_kernel.h"
+#include "routes/call_counter.h"
 #include "runtime/device.h"
 
 #include <ATen/ATen.h>
@@ -27,6 +28,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/SDPBackend.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/native/ConvUtils.h>
 #include <ATen/native/DispatchStub.h>
 #include <ATen/native/transformers/attention.h>
@@ -35,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
@@ -912,6 +915,118 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backw
           finish(grad_v, value, grad_input_mask[2]), finish(grad_bias, attn_bias, bias_grad)};
 }
 
+// [docs:start SDPA_DIFFERENTIABLE_BACKWARD]
+// The gradients of attention written with differentiable ATen operators, called on the device
+// tensors under autograd, so that they have a graph of their own: the second derivative
+// (backward with create_graph=True, gradgradcheck) differentiates these operators. The same
+// equations as the kernel's general path, with the probabilities recomputed from query, key
+// and the mask alone: the saved output and log-sum-exp are functions of them, so gradients never
+// flow into those. Dropout applies the forward's keep-mask again, regenerated from its seed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> differentiable_attention_backward(
+    const char* op, int device, const at::Tensor& grad_out, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& attn_bias,
+    std::array<bool, 4> grad_input_mask, double dropout_p, bool is_causal,
+    const at::Tensor& philox_seed, std::optional<double> scale) {
+  const at::ScalarType ct = compute_type(query.scalar_type());
+  const int64_t groups = query.size(-3) / key.size(-3);
+  const double sm_scale = softmax_scale(query, scale);
+  const bool bias_grad = grad_input_mask[3] && attn_bias.defined();
+  const at::Tensor q = query.to(ct);
+  const at::Tensor kk = repeat_heads(key.to(ct), groups);
+  const at::Tensor v = repeat_heads(value.to(ct), groups);
+  const at::Tensor dout = grad_out.to(ct);
+
+  at::Tensor s = at::matmul(q * sm_scale, kk.transpose(-2, -1));
+  if (attn_bias.defined()) s = s + attn_bias.to(ct);
+  if (is_causal) {
+    const int64_t L = q.size(-2), S = kk.size(-2);
+    s = s.masked_fill(at::ones({L, S}, s.options().dtype(at::kBool)).triu(1),
+                      -std::numeric_limits<double>::infinity());
+  }
+  // A row masked entirely attends to nothing (probabilities 0), as in the kernel.
+  const at::Tensor p = at::_safe_softmax(s, -1);
+  at::Tensor keep;  // the forward's keep-mask, scaled by 1 / (1 - dropout_p); no gradient
+  if (dropout_p > 0) {
+    TORCH_CHECK(philox_seed.defined() && philox_seed.device().is_cpu() && !capturing(device),
+                op, ": the second derivative of attention with dropout_p > 0 needs the seed of "
+                "the forward's dropout mask, which a captured graph does not have; capture "
+                "attention without dropout, or run it eagerly");
+    const auto seed = static_cast<uint64_t>(philox_seed.item<int64_t>());
+    keep = dropout_keep_mask(seed, p.sizes(), dropout_p)
+               .to(query.device(), ct)
+               .mul_(1. / (1. - dropout_p));
+  }
+
+  at::Tensor grad_q, grad_k, grad_v, grad_bias;
+  if (grad_input_mask[2]) {  // dV = dropout(P)^T dO
+    const at::Tensor pd = keep.defined() ? p * keep : p;
+    grad_v = sum_heads(at::matmul(pd.transpose(-2, -1), dout), groups);
+  }
+  if (grad_input_mask[0] || grad_input_mask[1] || bias_grad) {
+    at::Tensor dp = at::matmul(dout, v.transpose(-2, -1));
+    if (keep.defined()) dp = dp * keep;
+    // Softmax backward: dS = P * (dP - rowsum(P * dP)).
+    const at::Tensor ds = p * (dp - (p * dp).sum(-1, /*keepdim=*/true));
+    if (grad_input_mask[0]) grad_q = at::matmul(ds, kk) * sm_scale;
+    if (grad_input_mask[1])
+      grad_k = sum_heads(at::matmul(ds.transpose(-2, -1), q) * sm_scale, groups);
+    if (bias_grad) grad_bias = at::sum_to(ds, attn_bias.sizes());
+  }
+  auto finish = [](const at::Tensor& g, const at::Tensor& like) {
+    return g.defined() ? g.to(like.scalar_type()) : at::Tensor();
+  };
+  return {finish(grad_q, query), finish(grad_k, key), finish(grad_v, value),
+          finish(grad_bias, attn_bias)};
+}
+// [docs:end SDPA_DIFFERENTIABLE_BACKWARD]
+
+std::atomic<int64_t>& g_backward_kernel_calls =
+    call_counter("overrideable_ops.attention_backward.kernel");
+std::atomic<int64_t>& g_backward_differentiable_calls =
+    call_counter("overrideable_ops.attention_backward.differentiable");
+
+bool needs_graph(std::initializer_list<const at::Tensor*> tensors) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const at::Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
+// [docs:start SDPA_BACKWARD_AUTOGRAD]
+// The autograd kernel of the fused attention's backward operator on openreg. torch has no
+// derivative for it (its generated autograd kernel records "not implemented"), so a second
+// derivative through the overrideable backend would fail. When the gradients must themselves
+// be differentiable (grad mode on and an input requires grad: backward with create_graph=True;
+// or forward-mode tangents), they are computed by differentiable_attention_backward above;
+// otherwise (every ordinary backward, where the engine turns grad mode off) the call goes on to
+// the kernel below autograd, unchanged: the CPU's flash kernel and its bits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backward_autograd(
+    c10::DispatchKeySet ks, const at::Tensor& grad_out, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& attn_bias,
+    std::array<bool, 4> grad_input_mask, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& cum_seq_q, const at::Tensor& cum_seq_k, c10::SymInt max_q,
+    c10::SymInt max_k, double dropout_p, bool is_causal, const at::Tensor& philox_seed,
+    const at::Tensor& philox_offset, std::optional<double> scale) {
+  const char* op = "aten::_scaled_dot_product_fused_attention_overrideable_backward";
+  if (grad_out.defined() && needs_graph({&grad_out, &query, &key, &value, &attn_bias})) {
+    g_backward_differentiable_calls.fetch_add(1, std::memory_order_relaxed);
+    const int device = op_device(op, {&grad_out, &query, &key, &value, &attn_bias});
+    check_attention(op, query, key, value, attn_bias, is_causal);
+    return differentiable_attention_backward(op, device, grad_out, query, key, value, attn_bias,
+                                             grad_input_mask, dropout_p, is_causal, philox_seed,
+                                             scale);
+  }
+  g_backward_kernel_calls.fetch_add(1, std::memory_order_relaxed);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return at::_ops::_scaled_dot_product_fused_attention_overrideable_backward::redispatch(
+      ks & c10::after_ADInplaceOrView_keyset, grad_out, query, key, value, attn_bias,
+      grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k, std::move(max_q), std::move(max_k),
+      dropout_p, is_causal, philox_seed, philox_offset, scale);
+}
+// [docs:end SDPA_BACKWARD_AUTOGRAD]
+
 }  // namespace
 
 // [docs:start REGISTRATION]
@@ -937,3 +1052,14 @@ namespace at::native {
 REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &openreg::fused_sdp_choice)
 }
 // [docs:end REGISTRATION]
+
+namespace openreg {
+// [docs:start AUTOGRAD_REGISTRATION]
+// Only the fused attention's backward needs an autograd kernel of its own (for its second
+// derivative); every other operator here keeps the one torch generates from derivatives.yaml.
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_scaled_dot_product_fused_attention_overrideable_backward",
+         TORCH_FN(fused_attention_backward_autograd));
+}
+// [docs:end AUTOGRAD_REGISTRATION]
+}  // namespace openreg
