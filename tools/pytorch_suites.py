@@ -1,0 +1,227 @@
+"""PyTorch's main device-generic test files on the CPU and on openreg, compared test by test
+(docs/test_suites.md, "PyTorch's main suites"; issue 39). Not part of CI: a run takes tens of
+minutes.
+
+    python tools/pytorch_suites.py run PT_TESTS [--files test_ops.py ...]   # run, then compare
+    python tools/pytorch_suites.py compare [--files ...]                    # compare saved runs
+    make pytorch-suites PT_TESTS=/work/pt-tests/<commit>/test
+
+``PT_TESTS`` is a folder holding PyTorch's test files (``test/`` of a PyTorch checkout, or single
+files fetched from one): the project contains no PyTorch test code. Each selected file runs twice
+from that folder, in two processes at once (one core each):
+
+- CPU: ``PYTORCH_TESTING_DEVICE_ONLY_FOR=cpu`` and ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch
+  without openreg);
+- openreg: ``TORCH_TEST_DEVICES=<openreg's test base>`` and
+  ``PYTORCH_TESTING_DEVICE_ONLY_FOR=openreg``;
+
+with the same selection (``SELECTION`` below, applied by tools/pytorch_suites_plugin.py) and the
+same shims. Per-test outcomes go to ``build/pytorch_suites/<file>-<device>.xml`` (JUnit XML);
+the comparison prints, per file, the tests passed on each device and the tests passing on the CPU
+but not on openreg, grouped by error message.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from pytorch_suites_plugin import base_class  # noqa: E402
+
+OUT = ROOT / "build" / "pytorch_suites"
+
+# [docs:start SELECTION]
+# What runs of each file, in parts (one pytest process per part and device, so that a part's
+# results stand even when a later part is cut short): part name -> (generic test class -> the
+# dtypes kept: "none" for tests with no dtype in their name, such as those over OpDTypes.none;
+# "*" for all), and a regular expression of test names left out. Chosen so that a file takes
+# about 20 minutes per device on one core of the 2-core machine; the reasons:
+SELECTION: dict[str, list[tuple[str, dict[str, list[str]], str]]] = {
+    "test_ops.py": [
+        # The OpInfo tests over every operator. float32 is the dtype every operator supports
+        # and the one CUDA's CI weighs most; "none" keeps test_out_warning, test_errors and the
+        # other dtype-less checks (24,073 TestCommon tests over all dtypes). Left out here:
+        # test_python_ref*, the primTorch references against ATen in Python (1,486 float32
+        # tests; the Python reference runs the same ATen operators on both devices), and
+        # test_dtypes, which runs every sample of an operator in all 12 dtypes with backward
+        # (the slowest; its dtype claims are the CPU's on openreg).
+        ("common", {"TestCommon": ["float32", "none"]}, r"test_python_ref|test_dtypes_"),
+        # test_conj_view: complex64. float64 (test_neg_view) and complex128
+        # (test_neg_conj_view) are the same mechanism, the negative bit, in more dtypes.
+        ("mathbits", {"TestMathBits": ["complex64"]}, ""),
+        # One dtype per operator by the file's choice (OpDTypes.any_one).
+        ("tags", {"TestTags": ["*"]}, ""),
+        # float32 only by the file's own choice (allowed_dtypes=(torch.float,)).
+        ("composite", {"TestCompositeCompliance": ["float32"]}, ""),
+    ],
+    "test_torch.py": [("all", {"TestTorchDeviceType": ["float32", "int64", "none"]}, "")],
+    "test_nn.py": [("all", {"TestNNDeviceType": ["float32", "none"]}, "")],
+    "test_autograd.py": [("all", {"TestAutogradDeviceType": ["*"]}, "")],
+    "test_linalg.py": [("all", {"TestLinalg": ["float32", "none"]}, "")],
+}
+# Generic classes the file instantiates for the CPU only (only_for="cpu") that the plugin
+# generates for openreg too: test_ops.py's TestTags (the issue asks for it on openreg).
+ALL_DEVICES = {"test_ops.py": ["TestTags"]}
+# [docs:end SELECTION]
+
+DEVICES = ("cpu", "openreg")
+
+
+def test_base() -> str:
+    """What ``python -m torch_openreg.testing spec pytorch`` prints (without importing torch here)."""
+    return str(ROOT / "torch_openreg" / "testing" / "pytorch_test_base.py")
+
+
+def command(file: str, part: tuple, device: str) -> tuple[list[str], dict[str, str]]:
+    name, classes, deselect = part
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools"),
+                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = device
+    env["OPENREG_PT_SELECT"] = json.dumps(classes)
+    env["OPENREG_PT_DESELECT"] = deselect
+    env["OPENREG_PT_ALL_DEVICES"] = ",".join(ALL_DEVICES.get(file, []))
+    env["OMP_NUM_THREADS"] = "1"  # one core per device: the two runs go side by side
+    if device == "cpu":
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        env.pop("TORCH_TEST_DEVICES", None)
+    else:
+        env["TORCH_TEST_DEVICES"] = test_base()
+    xml = OUT / f"{Path(file).stem}-{name}-{device}.xml"
+    cmd = ["nice", "-n", "15", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+           "-p", "pytorch_suites_plugin", "-q", "-rfE", "--tb=line", "-o", "addopts=",
+           f"--junitxml={xml}", file]
+    return cmd, env
+
+
+def run(files: list[str], pt_tests: Path, parts: list[str] | None = None) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        if not (pt_tests / file).exists():
+            print(f"== {file}: not in {pt_tests}, skipped")
+            continue
+        for part in SELECTION[file]:
+            if parts and part[0] not in parts:
+                continue
+            procs = []
+            start = time.time()
+            for device in DEVICES:
+                cmd, env = command(file, part, device)
+                log = open(OUT / f"{Path(file).stem}-{part[0]}-{device}.log", "w")
+                print(f"== {file} [{part[0]}] on {device}: {json.dumps(part[1])}"
+                      + (f", without {part[2]}" if part[2] else ""), flush=True)
+                procs.append((device, subprocess.Popen(cmd, cwd=pt_tests, env=env, stdout=log,
+                                                       stderr=subprocess.STDOUT), log))
+            for device, proc, log in procs:
+                proc.wait()
+                log.close()
+                print(f"   {device}: exit {proc.returncode}, {time.time() - start:.0f} s",
+                      flush=True)
+
+
+def outcomes(xml: Path, device: str) -> dict[str, tuple[str, str]]:
+    """JUnit XML -> {test key without the device: (outcome, message)}; outcome is passed,
+    failed or skipped (pytest's xfail counts as skipped)."""
+    result = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        cls = base_class(case.get("classname", "").rsplit(".", 1)[-1])
+        name = case.get("name", "")
+        head, sep, tail = name.rpartition("_" + device)
+        if sep and (tail == "" or tail.startswith("_")):
+            name = head + "_DEVICE" + tail
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (node.get("message") or node.text or "").strip()
+                break
+        result[f"{cls}::{name}"] = (outcome, message)
+    return result
+
+
+def cause(message: str) -> str:
+    """The first line of an error, with device names, addresses and sizes made alike, so that
+    one cause groups its tests."""
+    line = message.splitlines()[0] if message else "(no message)"
+    line = re.sub(r"openreg(:\d+)?|cpu", "DEV", line)
+    line = re.sub(r"0x[0-9a-f]+", "0x..", line)
+    return line[:200]
+
+
+def compare(files: list[str]) -> int:
+    for file in files:
+        stem = Path(file).stem
+        done = [p[0] for p in SELECTION[file]
+                if all((OUT / f"{stem}-{p[0]}-{d}.xml").exists() for d in DEVICES)]
+        if not done:
+            print(f"== {file}: no saved run in {OUT}")
+            continue
+        cpu, ore = {}, {}
+        for name in done:
+            cpu.update(outcomes(OUT / f"{stem}-{name}-cpu.xml", "cpu"))
+            ore.update(outcomes(OUT / f"{stem}-{name}-openreg.xml", "openreg"))
+
+        def count(res, what):
+            return sum(1 for o, _ in res.values() if o == what)
+
+        print(f"== {file}, parts {', '.join(done)} of {', '.join(p[0] for p in SELECTION[file])}")
+        for device, res in (("cpu", cpu), ("openreg", ore)):
+            print(f"   {device:8s} {len(res):6d} run: {count(res, 'passed'):6d} passed, "
+                  f"{count(res, 'failed'):5d} failed, {count(res, 'skipped'):6d} skipped")
+        only_fail = {k: ore[k][1] for k, (o, _) in cpu.items()
+                     if o == "passed" and k in ore and ore[k][0] == "failed"}
+        only_skip = {k: ore[k][1] for k, (o, _) in cpu.items()
+                     if o == "passed" and k in ore and ore[k][0] == "skipped"}
+        missing = [k for k, (o, _) in cpu.items() if o == "passed" and k not in ore]
+        only_cpu_fail = [k for k, (o, _) in ore.items()
+                         if o == "passed" and k in cpu and cpu[k][0] == "failed"]
+        print(f"   passed on the CPU and failed on openreg: {len(only_fail)}")
+        groups = collections.defaultdict(list)
+        for k, m in only_fail.items():
+            groups[cause(m)].append(k)
+        for c, keys in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            print(f"     {len(keys):4d} x {c}")
+            for k in sorted(keys)[:8]:
+                print(f"            {k}")
+            if len(keys) > 8:
+                print(f"            ... {len(keys) - 8} more")
+        print(f"   passed on the CPU and skipped on openreg: {len(only_skip)}")
+        sgroups = collections.Counter(cause(m) for m in only_skip.values())
+        for c, n in sgroups.most_common(12):
+            print(f"     {n:4d} x {c}")
+        print(f"   passed on the CPU, not generated for openreg: {len(missing)}")
+        for k in sorted(missing)[:10]:
+            print(f"            {k}")
+        print(f"   passed on openreg and failed on the CPU: {len(only_cpu_fail)}")
+        for k in sorted(only_cpu_fail)[:10]:
+            print(f"            {k}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the selection on both devices, then compare")
+    r.add_argument("pt_tests", type=Path, help="folder with PyTorch's test files")
+    c = sub.add_parser("compare", help="compare the saved runs")
+    for s in (r, c):
+        s.add_argument("--files", nargs="+", default=list(SELECTION), choices=list(SELECTION))
+    r.add_argument("--parts", nargs="+", help="only these parts of the files' selections")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        run(args.files, args.pt_tests.resolve(), args.parts)
+    return compare(args.files)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
