@@ -35,38 +35,40 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from pytorch_suites_plugin import base_class  # noqa: E402
+from pytorch_suites_plugin import test_key  # noqa: E402
 
 OUT = ROOT / "build" / "pytorch_suites"
 
 # [docs:start SELECTION]
 # What runs of each file, in parts (one pytest process per part and device, so that a part's
-# results stand even when a later part is cut short): part name -> (generic test class -> the
-# dtypes kept: "none" for tests with no dtype in their name, such as those over OpDTypes.none;
-# "*" for all), and a regular expression of test names left out. Chosen so that a file takes
-# about 20 minutes per device on one core of the 2-core machine; the reasons:
-SELECTION: dict[str, list[tuple[str, dict[str, list[str]], str]]] = {
+# results stand even when a later part is cut short): (part name, generic test class -> the
+# dtypes kept, a regular expression of test names left out, N: one test in N kept, the same on
+# both devices). Dtypes: "none" for tests with no dtype in their name (those over OpDTypes.none),
+# "*" for all. Chosen so that a file takes about 20 minutes per device on the shared 2-core
+# machine (load 18-20 on 2 cores on 2026-12-02, where one process gets a tenth of a core and
+# runs about 40 OpInfo tests a minute); the reasons:
+SELECTION: dict[str, list[tuple[str, dict[str, list[str]], str, int]]] = {
     "test_ops.py": [
         # The OpInfo tests over every operator. float32 is the dtype every operator supports
         # and the one CUDA's CI weighs most; "none" keeps test_out_warning, test_errors and the
-        # other dtype-less checks (24,073 TestCommon tests over all dtypes). Left out here:
-        # test_python_ref*, the primTorch references against ATen in Python (1,486 float32
-        # tests; the Python reference runs the same ATen operators on both devices), and
-        # test_dtypes, which runs every sample of an operator in all 12 dtypes with backward
-        # (the slowest; its dtype claims are the CPU's on openreg).
-        ("common", {"TestCommon": ["float32", "none"]}, r"test_python_ref|test_dtypes_"),
-        # test_conj_view: complex64. float64 (test_neg_view) and complex128
+        # other dtype-less checks (24,073 TestCommon tests over all dtypes, 8,239 of them
+        # float32 or dtype-less). Left out: test_python_ref*, the primTorch references against
+        # ATen in Python (1,486 float32 tests; the reference runs the same ATen operators on
+        # both devices), and test_dtypes, which runs every sample of an operator in all 12
+        # dtypes with backward (the slowest). Then one test in 10: a tenth of the operators for
+        # each test method.
+        ("common", {"TestCommon": ["float32", "none"]}, r"test_python_ref|test_dtypes_", 10),
+        # test_conj_view (complex64); float64 (test_neg_view) and complex128
         # (test_neg_conj_view) are the same mechanism, the negative bit, in more dtypes.
-        ("mathbits", {"TestMathBits": ["complex64"]}, ""),
-        # One dtype per operator by the file's choice (OpDTypes.any_one).
-        ("tags", {"TestTags": ["*"]}, ""),
-        # float32 only by the file's own choice (allowed_dtypes=(torch.float,)).
-        ("composite", {"TestCompositeCompliance": ["float32"]}, ""),
+        # TestTags: one dtype per operator by the file's choice (OpDTypes.any_one).
+        # TestCompositeCompliance: float32 only by the file's choice. One test in 10 of each.
+        ("others", {"TestMathBits": ["complex64"], "TestTags": ["*"],
+                    "TestCompositeCompliance": ["float32"]}, "", 10),
     ],
-    "test_torch.py": [("all", {"TestTorchDeviceType": ["float32", "int64", "none"]}, "")],
-    "test_nn.py": [("all", {"TestNNDeviceType": ["float32", "none"]}, "")],
-    "test_autograd.py": [("all", {"TestAutogradDeviceType": ["*"]}, "")],
-    "test_linalg.py": [("all", {"TestLinalg": ["float32", "none"]}, "")],
+    "test_torch.py": [("all", {"TestTorchDeviceType": ["float32", "int64", "none"]}, "", 1)],
+    "test_nn.py": [("all", {"TestNNDeviceType": ["float32", "none"]}, "", 1)],
+    "test_autograd.py": [("all", {"TestAutogradDeviceType": ["*"]}, "", 1)],
+    "test_linalg.py": [("all", {"TestLinalg": ["float32", "none"]}, "", 1)],
 }
 # Generic classes the file instantiates for the CPU only (only_for="cpu") that the plugin
 # generates for openreg too: test_ops.py's TestTags (the issue asks for it on openreg).
@@ -82,13 +84,14 @@ def test_base() -> str:
 
 
 def command(file: str, part: tuple, device: str) -> tuple[list[str], dict[str, str]]:
-    name, classes, deselect = part
+    name, classes, deselect, sample = part
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools"),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = device
     env["OPENREG_PT_SELECT"] = json.dumps(classes)
     env["OPENREG_PT_DESELECT"] = deselect
+    env["OPENREG_PT_SAMPLE"] = str(sample)
     env["OPENREG_PT_ALL_DEVICES"] = ",".join(ALL_DEVICES.get(file, []))
     env["OMP_NUM_THREADS"] = "1"  # one core per device: the two runs go side by side
     if device == "cpu":
@@ -118,7 +121,8 @@ def run(files: list[str], pt_tests: Path, parts: list[str] | None = None) -> Non
                 cmd, env = command(file, part, device)
                 log = open(OUT / f"{Path(file).stem}-{part[0]}-{device}.log", "w")
                 print(f"== {file} [{part[0]}] on {device}: {json.dumps(part[1])}"
-                      + (f", without {part[2]}" if part[2] else ""), flush=True)
+                      + (f", without {part[2]}" if part[2] else "")
+                      + (f", one test in {part[3]}" if part[3] > 1 else ""), flush=True)
                 procs.append((device, subprocess.Popen(cmd, cwd=pt_tests, env=env, stdout=log,
                                                        stderr=subprocess.STDOUT), log))
             for device, proc, log in procs:
@@ -133,11 +137,7 @@ def outcomes(xml: Path, device: str) -> dict[str, tuple[str, str]]:
     failed or skipped (pytest's xfail counts as skipped)."""
     result = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        cls = base_class(case.get("classname", "").rsplit(".", 1)[-1])
-        name = case.get("name", "")
-        head, sep, tail = name.rpartition("_" + device)
-        if sep and (tail == "" or tail.startswith("_")):
-            name = head + "_DEVICE" + tail
+        key = test_key(case.get("classname", "").rsplit(".", 1)[-1], case.get("name", ""), device)
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
@@ -145,7 +145,7 @@ def outcomes(xml: Path, device: str) -> dict[str, tuple[str, str]]:
                 outcome = "skipped" if tag == "skipped" else "failed"
                 message = (node.get("message") or node.text or "").strip()
                 break
-        result[f"{cls}::{name}"] = (outcome, message)
+        result[key] = (outcome, message)
     return result
 
 

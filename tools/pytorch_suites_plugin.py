@@ -9,7 +9,9 @@ test files, which stay outside the project.
   with no dtype in their name, ``"*"`` for all. Tests of other classes, or other dtypes, are
   deselected (pytest counts them as deselected). ``OPENREG_PT_DESELECT``, a regular expression,
   deselects the tests whose names it matches (``re.match`` on the test's name). The same
-  selection runs on both devices, so the runs compare test by test.
+  selection runs on both devices, so the runs compare test by test. ``OPENREG_PT_SAMPLE=N``
+  keeps one test in N, the same ones on both devices (by a hash of the test's name without its
+  device, ``test_key``): a sample of the operators for each test method.
 - **Shims**, each for a difference between the stored test file and torch 2.15 or for a test the
   file generates for the CPU only:
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 
 # dtypes as PyTorch's instantiated test names end with them (common_device_type: the dtype's
 # name without "torch.")
@@ -46,6 +49,15 @@ def test_dtype(name: str) -> str:
     """The dtype an instantiated test runs in, from its name; ``"none"`` when it has none."""
     m = _DTYPE_SUFFIX.search(name)
     return m.group(1) if m else "none"
+
+
+def test_key(cls_name: str, name: str, device: str) -> str:
+    """``("TestCommonOPENREG", "test_out_abs_openreg_float32", "openreg")`` ->
+    ``"TestCommon::test_out_abs_DEVICE_float32"``: the same key for a test on either device."""
+    head, sep, tail = name.rpartition("_" + device)
+    if sep and (tail == "" or tail.startswith("_")):
+        name = head + "_DEVICE" + tail
+    return f"{base_class(cls_name)}::{name}"
 
 
 def _all_devices_shim() -> None:
@@ -74,12 +86,15 @@ def pytest_collection_modifyitems(config, items):
         return
     selection: dict[str, list[str]] = json.loads(raw)
     deselect = re.compile(os.environ.get("OPENREG_PT_DESELECT") or r"(?!)")
+    sample = int(os.environ.get("OPENREG_PT_SAMPLE") or 1)
+    device = os.environ.get("PYTORCH_TESTING_DEVICE_ONLY_FOR", "")
     keep, drop = [], []
     for item in items:
         cls = getattr(item, "cls", None)
         dtypes = selection.get(base_class(cls.__name__)) if cls is not None else None
         if (dtypes is not None and ("*" in dtypes or test_dtype(item.name) in dtypes)
-                and not deselect.match(item.name)):
+                and not deselect.match(item.name)
+                and zlib.crc32(test_key(cls.__name__, item.name, device).encode()) % sample == 0):
             keep.append(item)
         else:
             drop.append(item)
