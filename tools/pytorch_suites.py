@@ -144,6 +144,8 @@ def outcomes(xml: Path, device: str) -> dict[str, tuple[str, str]]:
             if node is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
                 message = (node.get("message") or node.text or "").strip()
+                if node.get("type") == "pytest.xfail":
+                    message = "expected failure (xfail) " + message
                 break
         result[key] = (outcome, message)
     return result
@@ -205,6 +207,15 @@ def compare(files: list[str]) -> int:
         print(f"   passed on openreg and failed on the CPU: {len(only_cpu_fail)}")
         for k in sorted(only_cpu_fail)[:10]:
             print(f"            {k}")
+        # openreg's other failures: tests the CPU skips (onlyAccelerator, such as
+        # test_compare_cpu), expects to fail, or fails too
+        other = {k: m for k, (o, m) in ore.items()
+                 if o == "failed" and k not in only_fail}
+        print(f"   failed on openreg, not passed on the CPU: {len(other)}")
+        for k, m in sorted(other.items()):
+            on_cpu = cpu[k][0] + (f" ({cause(cpu[k][1])[:60]})" if cpu[k][1] else "") \
+                if k in cpu else "not generated"
+            print(f"     {k}\n         openreg: {cause(m)}\n         CPU: {on_cpu}")
     return 0
 
 
