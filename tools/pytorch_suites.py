@@ -108,7 +108,8 @@ def command(file: str, part: tuple, device: str) -> tuple[list[str], dict[str, s
     return cmd, env
 
 
-def run(files: list[str], pt_tests: Path, parts: list[str] | None = None) -> None:
+def run(files: list[str], pt_tests: Path, parts: list[str] | None = None,
+        sample: int | None = None) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for file in files:
         if not (pt_tests / file).exists():
@@ -117,6 +118,8 @@ def run(files: list[str], pt_tests: Path, parts: list[str] | None = None) -> Non
         for part in SELECTION[file]:
             if parts and part[0] not in parts:
                 continue
+            if sample:  # a sparser sample: with N a multiple of the part's, a subset of it
+                part = (*part[:3], sample)
             procs = []
             start = time.time()
             for device in DEVICES:
@@ -230,9 +233,10 @@ def main(argv=None) -> int:
     for s in (r, c):
         s.add_argument("--files", nargs="+", default=list(SELECTION), choices=list(SELECTION))
     r.add_argument("--parts", nargs="+", help="only these parts of the files' selections")
+    r.add_argument("--sample", type=int, help="keep one test in N instead of the selection's N")
     args = p.parse_args(argv)
     if args.cmd == "run":
-        run(args.files, args.pt_tests.resolve(), args.parts)
+        run(args.files, args.pt_tests.resolve(), args.parts, args.sample)
     return compare(args.files)
 
 
