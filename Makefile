@@ -8,6 +8,8 @@
 #   make suite TORCH=2.14 MODES=default - the suite on one release, in the modes named
 #   WORKERS=1 (or more) - pytest-xdist workers of the suite (2 by default)
 #   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
+#   make pytorch-suites PT_TESTS=<pytorch>/test - PyTorch's main device-generic test files on the
+#                 CPU and on openreg, compared test by test (not in CI; PT_FILES=test_ops.py ...)
 #
 # The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
 # .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
@@ -38,7 +40,7 @@ PYTEST = $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 TIMES := build/test-times.txt
 timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start )) s" | tee -a $(TIMES); test $$rc = 0
 
-.PHONY: demo test suite docs bench fuzz install clean
+.PHONY: demo test suite docs bench fuzz pytorch-suites install clean
 # The venvs are kept, not removed as intermediate files of the pattern rules.
 .PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
@@ -99,6 +101,16 @@ docs: install
 FUZZ_SEEDS ?= 0:5000
 fuzz: install
 	$(PY) tools/fuzz.py --seeds $(FUZZ_SEEDS) --steps 40
+
+# PyTorch's main device-generic test files (test_ops, test_torch, test_nn, test_autograd,
+# test_linalg) on the CPU and on openreg, compared test by test (tools/pytorch_suites.py, where the
+# selection is; docs/test_suites.md). Not in CI: tens of minutes per file. PT_TESTS is a folder
+# holding PyTorch's test files (the project has none); PT_FILES limits the run to some of them.
+PT_TESTS ?=
+PT_FILES ?=
+pytorch-suites: install
+	@test -n '$(PT_TESTS)' || { echo "set PT_TESTS to a folder holding PyTorch's test files (test/ of its source)"; exit 2; }
+	$(PY) tools/pytorch_suites.py run $(PT_TESTS) $(if $(PT_FILES),--files $(PT_FILES))
 
 bench: install
 	$(PY) benchmarks/run.py

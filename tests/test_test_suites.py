@@ -323,3 +323,36 @@ def test_the_test_base_is_not_importable_as_a_module():
     import runpy
     with pytest.raises(ImportError, match="TORCH_TEST_DEVICES"):
         runpy.run_path(str(testing.TEST_BASE))
+
+
+def test_pytorch_suites_comparison_pairs_tests_across_devices(tmp_path, monkeypatch, capsys):
+    """tools/pytorch_suites.py (make pytorch-suites) pairs a test's two runs by its name without
+    the device, and reports the tests passing on the CPU but failing on openreg by cause."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import pytorch_suites
+
+    def junit(device, cls, cases):
+        body = "".join(f'<testcase classname="test_ops.{cls}" name="{name}">{inner}</testcase>'
+                       for name, inner in cases)
+        (tmp_path / f"test_ops-common-{device}.xml").write_text(
+            f"<testsuites><testsuite>{body}</testsuite></testsuites>")
+
+    junit("cpu", "TestCommonCPU", [("test_out_abs_cpu_float32", ""),
+                                   ("test_out_cos_cpu_float32", ""),
+                                   ("test_compare_cpu_sin_cpu_float32", '<skipped message="x"/>')])
+    junit("openreg", "TestCommonPRIVATEUSE1", [
+        ("test_out_abs_openreg_float32", ""),
+        ("test_out_cos_openreg_float32",
+         '<failure message="RuntimeError: Expected all tensors to be on openreg:0"/>'),
+        ("test_compare_cpu_sin_openreg_float32", "")])
+    monkeypatch.setattr(pytorch_suites, "OUT", tmp_path)
+    monkeypatch.setitem(pytorch_suites.SELECTION, "test_ops.py", [("common", {}, "", 1)])
+    pytorch_suites.compare(["test_ops.py"])
+    out = capsys.readouterr().out
+    assert "cpu           3 run:      2 passed" in out
+    assert "openreg       3 run:      2 passed,     1 failed" in out
+    assert "passed on the CPU and failed on openreg: 1" in out
+    assert "1 x RuntimeError: Expected all tensors to be on DEV" in out
+    assert "TestCommon::test_out_cos_DEVICE_float32" in out
