@@ -116,6 +116,7 @@ bench: install
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/fallback.py
+	$(PY) benchmarks/layouts.py
 
 clean:
 	rm -rf build .venv torch_openreg/_native *.egg-info docs/_build

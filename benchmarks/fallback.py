@@ -133,6 +133,31 @@ def gradcheck(device: str) -> Step:
     return step
 
 
+# ---- LBFGS: many tiny operators and host reads per step
+
+def lbfgs(device: str) -> Step:
+    """A fresh LBFGS (max_iter 20, strong Wolfe line search) minimising the Rosenbrock function
+    of a 2-element float64 parameter from (-1.5, 1.5), one step as test_optim's LBFGS tests
+    take: each iteration is a closure with backward and a few dozen operators on 2-element
+    tensors, several of them read on the host (dot products, norms, the line search's tests)."""
+    start = torch.tensor([-1.5, 1.5], dtype=torch.float64).to(device)
+
+    def step() -> None:
+        p = start.clone().requires_grad_()
+        opt = torch.optim.LBFGS([p], lr=1, max_iter=20, line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            x, y = p
+            loss = (1 - x) ** 2 + 100 * (y - x**2) ** 2
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+    return step
+
+
 # ---- a test-suite workload
 
 _OPINFO_OPS = [
@@ -211,6 +236,7 @@ WORKLOADS = {  # name -> (builder, target ratio openreg / CPU, description)
     "adamw_for_loop": (adamw_for_loop, 1.1, "`AdamW(foreach=False)`, 72 params of a 6-layer TransformerEncoder"),
     "adamw_foreach": (adamw_foreach, 1.1, "`AdamW(foreach=True)`, same parameters"),
     "adamw_fused": (adamw_fused, 1.1, "`AdamW(fused=True)`, same parameters"),
+    "lbfgs": (lbfgs, 1.3, "`LBFGS` step (20 iterations, strong Wolfe), Rosenbrock of 2 float64"),
     "gradcheck": (gradcheck, 1.2, "gradcheck + gradgradcheck, tanh/softmax of Linear(4, 3)"),
     "test_suite": (test_suite, 1.2, "test-suite workload (OpInfo samples, modules, gradchecks, optimizers)"),
 }

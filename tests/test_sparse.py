@@ -151,6 +151,38 @@ def test_to_dense_coalesce_indices_values():
     assert dev._nnz() == cpu._nnz() and dev.sparse_dim() == 2 and dev.dense_dim() == 0
 
 
+def test_metadata_operators_skip_the_fallback():
+    """The members' accessors, the flags and the constructor from indices and values run the
+    same device-generic kernels as on CUDA (docs/layouts.md, "Operators that need no CPU twin"),
+    with the CPU's results; the CPU kernels (coalesce's sort) still take the fallback."""
+    import torch_openreg
+
+    def fallback_calls():
+        return torch_openreg._C._route_calls("layouts.fallback")
+
+    cpu, dev = coo_pair(nnz=12)
+    i, v = dev._indices(), dev._values()
+    before = fallback_calls()
+    got = (dev.is_coalesced(), dev._nnz(), dev.sparse_dim(), dev.dense_dim())
+    assert got == (cpu.is_coalesced(), cpu._nnz(), cpu.sparse_dim(), cpu.dense_dim())
+    same(dev._indices(), cpu._indices())
+    same(dev._values(), cpu._values())
+    built = torch.sparse_coo_tensor(i, v, (4, 5))
+    assert built._indices().data_ptr() == i.data_ptr() and built.device == dev.device
+    same(built, cpu)
+    flagged = built._coalesced_(True)
+    assert flagged.is_coalesced()
+    assert fallback_calls() == before
+    same(dev.coalesce().indices(), cpu.coalesce().indices())
+    assert fallback_calls() > before
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            1, 0, [3], torch.tensor([[0, 1]]), torch.ones(2, device=D), dtype=torch.float32,
+            layout=torch.sparse_coo, device=D)
+    on1 = torch.sparse_coo_tensor(i.to("openreg:1"), v.to("openreg:1"), (4, 5))
+    assert on1.device == torch.device("openreg:1") and on1._values().device == on1.device
+
+
 def test_hybrid_dense_dims():
     cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))
     same(dev.to_dense(), cpu.to_dense())

@@ -16,6 +16,7 @@
 #include "adapters/generator.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
+#include "routes/call_counter.h"
 #include "runtime/device.h"
 
 #include <ATen/NestedTensorImpl.h>
@@ -23,10 +24,22 @@
 #include <ATen/SparseTensorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/_coalesced_native.h>
+#include <ATen/ops/_indices_native.h>
+#include <ATen/ops/_nnz_native.h>
+#include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
+#include <ATen/ops/_values_native.h>
+#include <ATen/ops/dense_dim_native.h>
+#include <ATen/ops/indices_native.h>
+#include <ATen/ops/is_coalesced_native.h>
+#include <ATen/ops/sparse_dim_native.h>
+#include <ATen/ops/values_native.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <iterator>
 #include <string_view>
 
 namespace openreg {
@@ -223,7 +236,11 @@ bool returns_cpu_metadata(std::string_view name) {
          name == "aten::_nested_tensor_storage_offsets";
 }
 
+// Calls of the fallback, for tests that prove an operator does not take it (`_route_calls`).
+std::atomic<int64_t>& g_layout_calls = call_counter("layouts.fallback");
+
 void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
+  g_layout_calls.fetch_add(1, std::memory_order_relaxed);
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   const size_t first = stack->size() - num_args;
@@ -357,6 +374,55 @@ at::Tensor& sparse_copy_(at::Tensor& self, const at::Tensor& src, bool non_block
 }
 // [docs:end SPARSE_COPY]
 
+// [docs:start SPARSE_DIRECT]
+// COO operators whose kernel is one function for the CPU, CUDA and Meta, because it only reads or
+// sets the SparseTensorImpl's members and metadata (`_indices`, `is_coalesced`, the constructor
+// from indices and values): openreg registers the same functions, as CUDA does, instead of
+// building a CPU twin of each argument and a device tensor of each result for them. They are
+// what every sparse operator's composite code calls (`coalesce` asks `is_coalesced`, optimizers
+// take `_indices` and `_values` and build new sparse tensors from them): through the fallback
+// they cost about 10,000 instructions each, more than many CPU kernels (callgrind, issue 41).
+at::Tensor sparse_with_dims_and_tensors(int64_t sparse_dim, int64_t dense_dim,
+                                        c10::SymIntArrayRef size, const at::Tensor& indices,
+                                        const at::Tensor& values,
+                                        std::optional<at::ScalarType> dtype,
+                                        std::optional<at::Layout> layout,
+                                        std::optional<at::Device> device,
+                                        std::optional<bool> pin_memory,
+                                        std::optional<bool> is_coalesced) {
+  // The device's checks and messages (all tensors on one openreg device) are the fallback's.
+  for (const at::Tensor* t : {&indices, &values})
+    TORCH_CHECK(t->device().type() == kOpenReg,
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                "openreg and ", t->device(), "! (in aten::_sparse_coo_tensor_with_dims_and_tensors)");
+  TORCH_CHECK(indices.device() == values.device(),
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              indices.device(), " and ", values.device(),
+              "! (in aten::_sparse_coo_tensor_with_dims_and_tensors)");
+  c10::DeviceGuard guard(values.device());
+  return at::native::new_with_dims_and_tensor_sparse_symint(
+      sparse_dim, dense_dim, size, indices, values, dtype, layout, values.device(), pin_memory,
+      is_coalesced);
+}
+
+const char* const kSparseDirect[] = {"_indices", "_values", "indices", "values", "is_coalesced",
+                                     "_coalesced_", "_nnz", "sparse_dim", "dense_dim",
+                                     "_sparse_coo_tensor_with_dims_and_tensors"};
+
+void register_sparse_direct(torch::Library& m) {
+  m.impl("_indices", at::native::_indices_sparse);
+  m.impl("_values", at::native::_values_sparse);
+  m.impl("indices", at::native::indices_sparse);
+  m.impl("values", at::native::values_sparse);
+  m.impl("is_coalesced", at::native::is_coalesced_sparse);
+  m.impl("_coalesced_", at::native::_coalesced_sparse_);
+  m.impl("_nnz", at::native::_nnz_sparse);
+  m.impl("sparse_dim", at::native::sparse_dim_sparse);
+  m.impl("dense_dim", at::native::dense_dim_sparse);
+  m.impl("_sparse_coo_tensor_with_dims_and_tensors", sparse_with_dims_and_tensors);
+}
+// [docs:end SPARSE_DIRECT]
+
 // [docs:start LAYOUT_REGISTRATION]
 TORCH_LIBRARY_IMPL(_, SparsePrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
@@ -384,11 +450,16 @@ void route_layout_ops(torch::Library& m, c10::DispatchKey cpu_key) {
     if ((full == "copy_" || full == "copy_sparse_to_sparse_") &&
         cpu_key == c10::DispatchKey::SparseCPU)
       continue;  // sparse_copy_
+    if (cpu_key == c10::DispatchKey::SparseCPU &&
+        std::find_if(std::begin(kSparseDirect), std::end(kSparseDirect),
+                     [&](const char* d) { return full == d; }) != std::end(kSparseDirect))
+      continue;  // register_sparse_direct
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
   }
 }
 TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
   route_layout_ops(m, c10::DispatchKey::SparseCPU);
+  register_sparse_direct(m);
   m.impl("copy_", sparse_copy_);
   m.impl("copy_sparse_to_sparse_", sparse_copy_);
 }
