@@ -8,6 +8,9 @@
 #   make suite TORCH=2.14 MODES=default - the suite on one release, in the modes named
 #   WORKERS=1 (or more) - pytest-xdist workers of the suite (2 by default)
 #   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
+#   make library-suites LIBRARY_SUITES="timm=/path/to/pytorch-image-models peft=/path/to/peft"
+#               - libraries' own test suites on the CPU and on openreg, compared (not in CI: needs
+#                 their clones; tools/library_suites.py, docs/test_suites.md)
 #
 # The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
 # .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
@@ -38,7 +41,7 @@ PYTEST = $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 TIMES := build/test-times.txt
 timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start )) s" | tee -a $(TIMES); test $$rc = 0
 
-.PHONY: demo test suite docs bench fuzz install clean
+.PHONY: demo test suite docs bench fuzz install clean library-suites
 # The venvs are kept, not removed as intermediate files of the pattern rules.
 .PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
@@ -104,6 +107,17 @@ bench: install
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/fallback.py
+
+# Each library=clone pair: the library's release goes into build/library_suites/site-<library>
+# (pip --target, once), then the selection runs on both devices and the comparison is printed.
+LIBRARY_SUITES ?=
+library-suites: install
+	@test -n "$(LIBRARY_SUITES)" || { echo 'usage: make library-suites LIBRARY_SUITES="timm=/path/to/pytorch-image-models peft=/path/to/peft diffusers=... accelerate=..."'; exit 2; }
+	@for pair in $(LIBRARY_SUITES); do \
+	  lib=$${pair%%=*}; dir=$${pair#*=}; site=build/library_suites/site-$$lib; \
+	  test -d $$site || $(PY) tools/library_suites.py install $$lib --site $$site || exit 1; \
+	  $(PY) tools/library_suites.py run $$lib $$dir --site $$site || exit 1; \
+	done
 
 clean:
 	rm -rf build .venv torch_openreg/_native *.egg-info docs/_build
