@@ -8,9 +8,9 @@
 Arguments after `--` go to pytest (`-- -x`, `-- -k resnet`).
 
 `run` takes a clone of the library (or `git archive` of it) at the commit named in LIBRARIES
-below, runs the selection there twice, once per device, each in its own pytest process writing
-a junit file per group of the selection (build/library_suites/<lib>-<device>-<n>.xml), and prints: how many passed and failed on
-each device, the tests that pass on the CPU and fail on openreg grouped by their error, and the
+below, runs the selection there twice, once per device, each group of it in its own pytest
+process writing a junit file (build/library_suites/<lib>-<device>-<n>.xml), and prints: how many
+passed and failed on each device, the tests that pass on the CPU and fail on openreg grouped by their error, and the
 reverse. `--site` is a folder made by `install` (pip --target, no dependencies) with the library
 at the release its tests belong to; it goes first on PYTHONPATH. The libraries' test files are
 never part of this repository.
@@ -70,26 +70,40 @@ def timm_selection():
     return [ids]
 
 
-# peft: the LoRA tests (LoraConfig itself, not its relatives AdaLoRA, RandLoRA, UniLoRA, TinyLoRA,
-# BD-LoRA) of the custom-model tests, over peft's small MLP, embedding, Conv1d/2d/3d, MHA and
-# nn.Parameter models: forward in float32/float16/bfloat16, merging, training, saving and loading,
-# adapters switched off, deleted and several at once, mixed adapter batches. And the LoRA tests of
-# one decoder model (tiny GPT-2): they load it from the hub, so here they fail on both devices
-# alike (kept to show it, and for a machine with the network).
-PEFT_LORA = ("LoraConfig and not AdaLoraConfig and not RandLoraConfig and not UniLoraConfig "
-             "and not TinyLoraConfig and not BdLoraConfig")
-PEFT_METHODS = ("test_forward_output_finite or test_forward_float16 or test_forward_bfloat16 or "
-                "test_merge_layers or test_safe_merge or test_training_custom_models or "
-                "test_only_params_are_updated or test_disable_adapters or test_save_pretrained or "
-                "test_load_multiple_adapters or test_delete_adapter or test_parameters_after_loading_model")
+# peft: the LoRA tests (LoraConfig itself) of the custom-model tests, over ten of peft's small
+# models (MLP, MLP with DoRA, embedding + transformers' Conv1D, Conv1d, Conv2d with and without
+# DoRA, grouped Conv2d, Conv3d, MultiheadAttention, a module using nn.Parameter): forward in
+# float32 and float16, merging, safe merging, training, adapters switched off, saving and
+# loading, deleting; several active adapters at once; the LoRA cases of mixed adapter batches.
+# 8 methods x 10 cases: the whole LoRA set (about 45 cases x 40 methods) takes hours on 2 shared
+# cores. And three LoRA tests of one decoder model (tiny GPT-2): they load it from the hub, so
+# here they fail on both devices alike (kept to show it, and for a machine with the network).
+PEFT_CASES = [
+    "Vanilla MLP 1 LoRA-MLP-LoraConfig-config_kwargs6",
+    "Vanilla MLP 7 LoRA with DoRA-MLP-LoraConfig-config_kwargs12",
+    "Embedding + transformers Conv1D 1 LoRA-EmbConv1D-LoraConfig-config_kwargs20",
+    "Conv1d LoRA-Conv1d-LoraConfig-config_kwargs27",
+    "Conv2d 1 LoRA-Conv2d-LoraConfig-config_kwargs29",
+    "Conv2d 1 LoRA with DoRA-Conv2d-LoraConfig-config_kwargs31",
+    "Conv2d Groups LoRA-Conv2dGroups-LoraConfig-config_kwargs33",
+    "Conv3d 1 LoRA-Conv3d-LoraConfig-config_kwargs37",
+    "MHA 1 LoRA-MHA-LoraConfig-config_kwargs44",
+    "MLP 1 using nn.Parameter LoRA-MlpUsingParameters-LoraConfig-config_kwargs46",
+]
+PEFT_METHODS = ["test_forward_output_finite", "test_forward_float16", "test_merge_layers",
+                "test_safe_merge", "test_training_custom_models", "test_disable_adapters",
+                "test_save_pretrained", "test_delete_adapter"]
 PEFT_SELECTION = [
-    ["tests/test_custom_models.py::TestPeftCustomModel", "-k", f"({PEFT_LORA}) and ({PEFT_METHODS})"],
-    ["tests/test_custom_models.py::TestMultipleActiveAdapters",
-     "tests/test_custom_models.py::TestMixedAdapterBatches",
-     "-k", "(TestMultipleActiveAdapters and LoraConfig and not AdaLora) or TestMixedAdapterBatches"],
-    ["tests/test_decoder_models.py::TestDecoderModels", "-k",
-     f"({PEFT_LORA}) and GPT2LMHeadModel and (test_merge_layers or test_training_decoders or "
-     "test_generate or test_save_pretrained or test_disable_adapter)"],
+    [f"tests/test_custom_models.py::TestPeftCustomModel::{m}[{c}]"
+     for m in PEFT_METHODS for c in PEFT_CASES]
+    + ["tests/test_custom_models.py::TestMultipleActiveAdapters::"
+       "test_multiple_active_adapters_forward",
+       "tests/test_custom_models.py::TestMixedAdapterBatches",
+       "-k", "TestPeftCustomModel or (test_multiple_active_adapters_forward and LoraConfig) or "
+             "(TestMixedAdapterBatches and LoRA)"],
+    [f"tests/test_decoder_models.py::TestDecoderModels::{m}[LoraConfig-config_kwargs16-"
+     "peft-internal-testing/tiny-random-GPT2LMHeadModel]"
+     for m in ("test_merge_layers", "test_generate", "test_training_decoders")],
 ]
 
 # peft's tests take their device from peft.utils.infer_device() and accelerate's get_backend(),
@@ -191,8 +205,8 @@ LIBRARIES = {
         "extra": ["datasets", "pyarrow", "pandas", "dill", "xxhash", "multiprocess",
                   "python-dateutil", "tzdata", "pytz"],
         "selection": PEFT_SELECTION,
-        "why": "LoRA tests of the custom models (TestPeftCustomModel, 12 methods; several and "
-               "mixed adapters) and of the decoder model tiny GPT-2 (needs the hub)",
+        "why": "LoRA tests of the custom models (TestPeftCustomModel, 8 methods x 10 models; "
+               "several and mixed adapters) and of the decoder model tiny GPT-2 (needs the hub)",
         "env": {},
         "plugins": {"openreg": {"openreg_peft_switch": PEFT_PLUGIN}},
     },
