@@ -150,6 +150,27 @@ def diffusers_setup(device, folder):
     return {"DIFFUSERS_TEST_DEVICE_SPEC": testing.SPEC_FILE}
 
 
+# diffusers skips some accelerator-only tests (float16 and bfloat16 inference) unless the device
+# is "cuda" or "xpu" by name (docs/privateuse1_gaps.md). On openreg this plugin lifts exactly
+# those skips, by their reason, so that they run; the CPU run skips them as diffusers means to.
+DIFFUSERS_PLUGIN = """
+    DEVICE_LIST_SKIPS = (
+        "float16 requires CUDA or XPU",
+        "float16 and bfloat16 can only be use for inference with an accelerator",
+    )
+
+
+    def pytest_collection_modifyitems(config, items):
+        for item in items:
+            function = getattr(getattr(item, "obj", None), "__func__", getattr(item, "obj", None))
+            if getattr(function, "__unittest_skip_why__", None) in DEVICE_LIST_SKIPS:
+                function.__unittest_skip__ = False  # unittest.skipIf(torch_device not in [...])
+            item.own_markers[:] = [
+                m for m in item.own_markers
+                if not (m.name == "skipif" and m.kwargs.get("reason") in DEVICE_LIST_SKIPS)]
+"""
+
+
 # accelerate: the test files whose tests need an accelerator (device maps, offloading, hooks,
 # memory utilities, the Accelerator on a device), run whole: their CPU tests run on both runs.
 ACCELERATE_SELECTION = [
@@ -222,6 +243,7 @@ LIBRARIES = {
                "of 9 schedulers; the DDPM and DDIM pipelines",
         "env": {},
         "setup": diffusers_setup,
+        "plugins": {"openreg": {"openreg_diffusers_switch": DIFFUSERS_PLUGIN}},
     },
     "accelerate": {
         "repository": "huggingface/accelerate",
@@ -354,14 +376,20 @@ def compare(lib):
     only_cpu = [t for t in both if cpu[t][0] == "passed" and dev[t][0] == "failed"]
     only_dev = [t for t in both if dev[t][0] == "passed" and cpu[t][0] == "failed"]
     skip_dev = [t for t in both if cpu[t][0] == "passed" and dev[t][0] == "skipped"]
+    # Tests the CPU skips that run on openreg (an accelerator-only test, or a device list lifted
+    # by the library's plugin): by their outcome on openreg.
+    run_dev = [t for t in both if cpu[t][0] == "skipped" and dev[t][0] != "skipped"]
     failed_both = [t for t in both if cpu[t][0] == dev[t][0] == "failed"]
     print(f"{lib}: passed on both {sum(cpu[t][0] == dev[t][0] == 'passed' for t in both)}, "
           f"failed on both {len(failed_both)}, only on openreg failed {len(only_cpu)}, "
           f"only on the CPU failed {len(only_dev)}, passed on the CPU and skipped on openreg "
-          f"{len(skip_dev)}")
+          f"{len(skip_dev)}, skipped on the CPU and run on openreg {len(run_dev)} "
+          f"({sum(dev[t][0] == 'passed' for t in run_dev)} passed)")
     for title, tests, res in (("passed on the CPU, failed on openreg", only_cpu, dev),
                               ("failed on the CPU, passed on openreg", only_dev, cpu),
                               ("passed on the CPU, skipped on openreg", skip_dev, dev),
+                              ("skipped on the CPU, run on openreg (by openreg's error)",
+                               [t for t in run_dev if dev[t][0] == "failed"], dev),
                               ("failed on both (by the CPU's error)", failed_both, cpu)):
         if not tests:
             continue
