@@ -239,6 +239,7 @@ LIBRARIES = {
         # the clone's diffusers whatever is installed (0.40.0, the release after the commit,
         # differs from it in 16 files).
         "install": ["diffusers==0.40.0"],
+        "extra": ["httpx", "httpcore", "h11", "parameterized"],  # imported by src/ and tests/
         "selection": DIFFUSERS_SELECTION,
         "why": "model tests of UNet2DModel, AutoencoderKL and DiT's Transformer2DModel; the tests "
                "of 6 schedulers; the DDPM and DDIM pipelines",
