@@ -251,6 +251,7 @@ LIBRARIES = {
         "repository": "huggingface/accelerate",
         "commit": "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83",  # 2026-07-24, accelerate 1.15.0.dev0
         "install": ["accelerate==1.15.0"],
+        "extra": ["parameterized"],  # imported by tests/
         "selection": ACCELERATE_SELECTION,
         "why": "the test files of big modeling, hooks, modeling utils and memory utils, whole",
         "env": {"openreg": {"ACCELERATE_TORCH_DEVICE": "openreg"}},
