@@ -218,3 +218,23 @@ def test_diffusers_float16_tests_know_cuda_and_xpu(relative, reason):
         assert 'torch_device not in ["cuda", "xpu"]' in source[max(0, at - 200):at], (
             CLOSED + f"{relative} chooses otherwise before {reason!r}")
 # [docs:end GAP_DIFFUSERS_FLOAT16]
+
+
+# [docs:start GAP_ACCELERATE_DEFAULT_DEVICE]
+def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
+    """accelerate's PartialState.default_device (the execution device of cpu_offload_with_hook
+    and CpuOffload when none is given) lists mps, mlu, sdaa, musa, npu, hpu, cuda, xpu, neuron
+    by name, else the CPU; ACCELERATE_TORCH_DEVICE sets PartialState().device, not it."""
+    r = run(["-c", textwrap.dedent("""
+        import torch
+        from accelerate import PartialState
+        from accelerate.big_modeling import cpu_offload_with_hook
+        state = PartialState()
+        model, hook = cpu_offload_with_hook(torch.nn.Linear(4, 5))
+        print(state.device, state.default_device, model(torch.randn(3, 4)).device)
+    """)], tmp_path, {"ACCELERATE_TORCH_DEVICE": "openreg"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    device, default_device, output = r.stdout.split()
+    assert device == "openreg"
+    assert (default_device, output) == ("cpu", "cpu"), CLOSED + r.stdout
+# [docs:end GAP_ACCELERATE_DEFAULT_DEVICE]
