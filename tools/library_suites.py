@@ -243,7 +243,8 @@ LIBRARIES = {
         # the clone's diffusers whatever is installed (0.40.0, the release after the commit,
         # differs from it in 16 files).
         "install": ["diffusers==0.40.0"],
-        "extra": ["httpx", "httpcore", "h11", "parameterized"],  # imported by src/ and tests/
+        # imported by src/ and tests/
+        "extra": ["httpx", "httpcore", "h11", "parameterized", "requests_mock"],
         "selection": DIFFUSERS_SELECTION,
         "why": "model tests of UNet2DModel, AutoencoderKL and DiT's Transformer2DModel; the tests "
                "of 3 schedulers; the DDPM and DDIM pipelines",
@@ -300,7 +301,7 @@ def selection(lib):
     return groups() if callable(groups) else groups
 
 
-def run(lib, folder, site, devices, extra_args):
+def run(lib, folder, site, devices, extra_args, groups=None):
     spec = LIBRARIES[lib]
     folder = Path(folder).resolve()
     found = clone_commit(folder)
@@ -319,9 +320,10 @@ def run(lib, folder, site, devices, extra_args):
         if env.get("PYTHONPATH"):
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        for old in OUT.glob(f"{lib}-{device}-*.xml"):
-            old.unlink()
         for n, group in enumerate(selection(lib)):
+            if groups is not None and n not in groups:
+                continue
+            (OUT / f"{lib}-{device}-{n}.xml").unlink(missing_ok=True)
             xml = OUT / f"{lib}-{device}-{n}.xml"
             cmd = ["nice", "-n", "19", sys.executable, *spec.get("python_flags", []), "-m",
                    "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-o", "addopts=",
@@ -424,6 +426,8 @@ def main(argv=None):
     p.add_argument("--site", help="the folder `install` filled (first on PYTHONPATH)")
     p.add_argument("--device", choices=DEVICES, action="append",
                    help="only this device (repeatable; default both)")
+    p.add_argument("--group", type=int, action="append",
+                   help="only this group of the selection (repeatable; default all)")
     p = sub.add_parser("compare", help="print the comparison of the last run's junit files")
     p.add_argument("lib", choices=LIBRARIES)
     p = sub.add_parser("list", help="print the libraries, commits and selections")
@@ -436,7 +440,7 @@ def main(argv=None):
         return install(args.lib, args.site)
     if args.command == "run":
         return run(args.lib, args.folder, args.site and Path(args.site).resolve(),
-                   args.device or DEVICES, pytest_args)
+                   args.device or DEVICES, pytest_args, args.group)
     if args.command == "compare":
         return compare(args.lib)
     for lib, spec in LIBRARIES.items():
