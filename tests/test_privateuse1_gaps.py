@@ -238,3 +238,16 @@ def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
     assert device == "openreg"
     assert (default_device, output) == ("cpu", "cpu"), CLOSED + r.stdout
 # [docs:end GAP_ACCELERATE_DEFAULT_DEVICE]
+
+
+# [docs:start GAP_DIFFUSERS_GET_DEVICE]
+def test_diffusers_get_device_asks_torch_accelerator():
+    """Closed upstream between diffusers 0.40.0.dev0 (commit 58eb52c0: cuda, npu, xpu, mps, mlu,
+    neuron by name, else "cpu") and 0.42.1: get_device() asks torch.accelerator, so the
+    pipelines' device_map strategies and enable_model_cpu_offload() take openreg. This test
+    holds the fixed behaviour of the installed release."""
+    from diffusers.pipelines.pipeline_utils import SUPPORTED_DEVICE_MAP
+    from diffusers.utils.torch_utils import get_device
+    assert get_device() == "openreg"
+    assert "openreg" in SUPPORTED_DEVICE_MAP
+# [docs:end GAP_DIFFUSERS_GET_DEVICE]
