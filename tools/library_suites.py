@@ -10,8 +10,8 @@ Arguments after `--` go to pytest (`-- -x`, `-- -k resnet`).
 `run` takes a clone of the library (or `git archive` of it) at the commit named in LIBRARIES
 below, runs the selection there twice, once per device, each group of it in its own pytest
 process writing a junit file (build/library_suites/<lib>-<device>-<n>.xml), and prints: how many
-passed and failed on each device, the tests that pass on the CPU and fail on openreg grouped by their error, and the
-reverse. `--site` is a folder made by `install` (pip --target, no dependencies) with the library
+passed and failed on each device, the tests that pass on the CPU and fail on openreg grouped by
+their error, and the reverse. `--site` is a folder made by `install` (pip --target, no dependencies) with the library
 at the release its tests belong to; it goes first on PYTHONPATH. The libraries' test files are
 never part of this repository.
 
