@@ -11,9 +11,10 @@ Arguments after `--` go to pytest (`-- -x`, `-- -k resnet`).
 below, runs the selection there twice, once per device, each group of it in its own pytest
 process writing a junit file (build/library_suites/<lib>-<device>-<n>.xml), and prints: how many
 passed and failed on each device, the tests that pass on the CPU and fail on openreg grouped by
-their error, and the reverse. `--site` is a folder made by `install` (pip --target, no dependencies) with the library
-at the release its tests belong to; it goes first on PYTHONPATH. The libraries' test files are
-never part of this repository.
+their error, and the reverse. `--site` is a folder made by `install` (pip --target, no
+dependencies) with the library at the release its tests belong to; it goes first on PYTHONPATH.
+`--group N` runs one group of the selection again. The libraries' test files are never part of
+this repository.
 
 Network: none is needed. Tests that download a model or a data set from the hub fail on both
 devices alike (HF_HUB_OFFLINE=1 makes them fail at once): the comparison shows them as failing on
