@@ -10,6 +10,9 @@
 #   make docs   - build the guide (docs/) into docs/_build/html, warnings and broken links as errors
 #   make pytorch-suites PT_TESTS=<pytorch>/test - PyTorch's main device-generic test files on the
 #                 CPU and on openreg, compared test by test (not in CI; PT_FILES=test_ops.py ...)
+#   make library-suites LIBRARY_SUITES="timm=/path/to/pytorch-image-models peft=/path/to/peft"
+#               - libraries' own test suites on the CPU and on openreg, compared (not in CI: needs
+#                 their clones; tools/library_suites.py, docs/test_suites.md)
 #
 # The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
 # .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
@@ -40,7 +43,7 @@ PYTEST = $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 TIMES := build/test-times.txt
 timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start )) s" | tee -a $(TIMES); test $$rc = 0
 
-.PHONY: demo test suite docs bench fuzz pytorch-suites install clean
+.PHONY: demo test suite docs bench fuzz pytorch-suites library-suites install clean
 # The venvs are kept, not removed as intermediate files of the pattern rules.
 .PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
@@ -117,6 +120,17 @@ bench: install
 	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/fallback.py
 	$(PY) benchmarks/layouts.py
+
+# Each library=clone pair: the library's release goes into build/library_suites/site-<library>
+# (pip --target, once), then the selection runs on both devices and the comparison is printed.
+LIBRARY_SUITES ?=
+library-suites: install
+	@test -n "$(LIBRARY_SUITES)" || { echo 'usage: make library-suites LIBRARY_SUITES="timm=/path/to/pytorch-image-models peft=/path/to/peft diffusers=... accelerate=..."'; exit 2; }
+	@for pair in $(LIBRARY_SUITES); do \
+	  lib=$${pair%%=*}; dir=$${pair#*=}; site=build/library_suites/site-$$lib; \
+	  test -d $$site || $(PY) tools/library_suites.py install $$lib --site $$site || exit 1; \
+	  $(PY) tools/library_suites.py run $$lib $$dir --site $$site || exit 1; \
+	done
 
 clean:
 	rm -rf build .venv torch_openreg/_native *.egg-info docs/_build

@@ -189,3 +189,65 @@ def test_reduce_overhead_cudagraphs_are_cuda_only():
     assert counters["inductor"]["cudagraph_skips"] == 1, CLOSED + dict(counters["inductor"]).__repr__()
     torch._dynamo.reset()
 # [docs:end GAP_REDUCE_OVERHEAD]
+
+
+def _diffusers_test_file(relative):
+    """diffusers' test files are in neither its wheel nor its source distribution on PyPI: read
+    them from a clone named by OPENREG_DIFFUSERS_CLONE (the one tools/library_suites.py ran),
+    else skip, saying so."""
+    clone = os.environ.get("OPENREG_DIFFUSERS_CLONE")
+    if not clone:
+        pytest.skip("diffusers' tests ship in no package: set OPENREG_DIFFUSERS_CLONE to a clone")
+    return open(os.path.join(clone, relative), encoding="utf-8").read()
+
+
+# [docs:start GAP_DIFFUSERS_FLOAT16]
+@pytest.mark.parametrize("relative, reason", [
+    ("tests/pipelines/test_pipelines_common.py", "float16 requires CUDA or XPU"),
+    ("tests/models/testing_utils/common.py",
+     "float16 and bfloat16 can only be use for inference with an accelerator"),
+])
+def test_diffusers_float16_tests_know_cuda_and_xpu(relative, reason):
+    """diffusers' float16 inference tests (pipelines: test_float16_inference,
+    test_save_load_float16; models: test_from_save_pretrained_dtype_inference) are skipped on
+    every device whose name is not "cuda" or "xpu", although they also require an accelerator
+    by the device-agnostic require_accelerator."""
+    source = _diffusers_test_file(relative)
+    assert reason in source, CLOSED + f"{relative} no longer skips with {reason!r}"
+    for at in [i for i in range(len(source)) if source.startswith(reason, i)]:
+        assert 'torch_device not in ["cuda", "xpu"]' in source[max(0, at - 200):at], (
+            CLOSED + f"{relative} chooses otherwise before {reason!r}")
+# [docs:end GAP_DIFFUSERS_FLOAT16]
+
+
+# [docs:start GAP_ACCELERATE_DEFAULT_DEVICE]
+def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
+    """accelerate's PartialState.default_device (the execution device of cpu_offload_with_hook
+    and CpuOffload when none is given) lists mps, mlu, sdaa, musa, npu, hpu, cuda, xpu, neuron
+    by name, else the CPU; ACCELERATE_TORCH_DEVICE sets PartialState().device, not it."""
+    r = run(["-c", textwrap.dedent("""
+        import torch
+        from accelerate import PartialState
+        from accelerate.big_modeling import cpu_offload_with_hook
+        state = PartialState()
+        model, hook = cpu_offload_with_hook(torch.nn.Linear(4, 5))
+        print(state.device, state.default_device, model(torch.randn(3, 4)).device)
+    """)], tmp_path, {"ACCELERATE_TORCH_DEVICE": "openreg"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    device, default_device, output = r.stdout.split()
+    assert device == "openreg"
+    assert (default_device, output) == ("cpu", "cpu"), CLOSED + r.stdout
+# [docs:end GAP_ACCELERATE_DEFAULT_DEVICE]
+
+
+# [docs:start GAP_DIFFUSERS_GET_DEVICE]
+def test_diffusers_get_device_asks_torch_accelerator():
+    """Closed upstream between diffusers 0.40.0.dev0 (commit 58eb52c0: cuda, npu, xpu, mps, mlu,
+    neuron by name, else "cpu") and 0.42.1: get_device() asks torch.accelerator, so the
+    pipelines' device_map strategies and enable_model_cpu_offload() take openreg. This test
+    holds the fixed behaviour of the installed release."""
+    from diffusers.pipelines.pipeline_utils import SUPPORTED_DEVICE_MAP
+    from diffusers.utils.torch_utils import get_device
+    assert get_device() == "openreg"
+    assert "openreg" in SUPPORTED_DEVICE_MAP
+# [docs:end GAP_DIFFUSERS_GET_DEVICE]
