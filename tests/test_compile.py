@@ -518,18 +518,24 @@ def conv_layouts(x, w, b):
 @pytest.mark.parametrize("weight_format", [torch.contiguous_format, torch.channels_last])
 def test_convolution_layouts_are_the_fake_tensor_prediction(weight_format):
     # Compiled code never runs the kernel to learn its layouts: FakeTensor predicts them, and
-    # Inductor asserts that the real strides match. For a PrivateUse1 device the prediction is
-    # NCHW whatever the inputs' layouts (the CPU would keep channels-last).
+    # Inductor asserts that the real strides match. For openreg tensors the prediction is the
+    # CPU's (torch's own would be NCHW for any PrivateUse1 device, docs/privateuse1_gaps.md), and
+    # so are the kernels' layouts: channels-last stays channels-last.
     from torch._subclasses import FakeTensorMode
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last).to("openreg")
-    w = torch.randn(4, 3, 3, 3).to(memory_format=weight_format).to("openreg")
-    b = torch.randn(4, device="openreg")
-    mode = FakeTensorMode()
-    with mode:
-        predicted = conv_layouts(*(mode.from_tensor(t) for t in (x, w, b)))
-    assert conv_layouts(x, w, b) == predicted
-    assert predicted[0] == (144, 36, 6, 1)  # NCHW
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(4, 3, 3, 3).to(memory_format=weight_format)
+    b = torch.randn(4)
+    for device in ("openreg", "cpu"):
+        real = [t.to(device) for t in (x, w, b)]
+        mode = FakeTensorMode()
+        fakes = [mode.from_tensor(t) for t in real]
+        with mode:
+            predicted = conv_layouts(*fakes)
+            out = torch.ops.aten.convolution(*fakes, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+            assert out.device == real[0].device
+        assert conv_layouts(*real) == predicted
+        assert predicted[0] == (144, 1, 24, 4)  # channels-last, as on the CPU
 
 
 def test_channels_last_cnn_training_step_matches_eager():

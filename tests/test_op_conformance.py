@@ -181,12 +181,78 @@ def compare(actual, expected, device, values=True, cpu_allowed=False):
         for a, e in zip(actual_t, expected_t):
             assert (a.shape, a.dtype) == (e.shape, e.dtype), (
                 f"result {a.shape} {a.dtype}, CPU {e.shape} {e.dtype}")
+        compare_layouts(actual, expected)
         return
+    compare_layouts(actual, expected)
     on_cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, actual)
     if isinstance(expected, (torch.Tensor, list, tuple, dict, int, float, complex, bool)):
         torch.testing.assert_close(on_cpu, expected, equal_nan=True, check_device=False)
     else:
         assert on_cpu == expected, f"{on_cpu!r} != {expected!r}"
+
+
+def layout(t):
+    """What must equal the CPU's besides the values: sizes, strides, storage offset."""
+    if t.layout != torch.strided:
+        return (tuple(t.shape),)
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def compare_layouts(actual, expected):
+    for i, (a, e) in enumerate(zip(tensors_of(actual), tensors_of(expected))):
+        assert layout(a) == layout(e), (
+            f"result {i}: sizes, strides, offset {layout(a)}, the CPU's {layout(e)}")
+
+
+# [docs:start CONFORMANCE_LAYOUTS]
+# The first sample of each main-dtype entry also runs in each of these memory formats (the same
+# values, or, for "expanded", values broadcast along the last dimension, on both devices): every
+# result's sizes, strides and storage offset must be the CPU's. A format that changes none of the
+# sample's tensors is skipped.
+def _channels_last(t):
+    if t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return t.contiguous(memory_format=torch.channels_last_3d)
+    return t
+
+
+def _transposed(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() >= 2 else t
+
+
+def _expanded(t):
+    return t[..., :1].expand(t.shape) if t.dim() >= 1 and t.shape[-1] > 1 else t
+
+
+def _sliced(t):
+    """Every second element of a larger buffer, from its second element on."""
+    if t.numel() == 0:
+        return t
+    base = torch.empty(2 * t.numel() + 1, dtype=t.dtype, device=t.device)
+    return base[1::2].view(t.shape).copy_(t)
+
+
+MEMORY_FORMATS = {"channels_last": _channels_last, "transposed": _transposed,
+                  "expanded": _expanded, "sliced": _sliced}
+# [docs:end CONFORMANCE_LAYOUTS]
+
+
+def in_memory_format(sample, fmt):
+    """`sample` with its dense tensors in memory format `fmt`, or None if it changes none."""
+    changed = []
+
+    def convert(t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_conj() or t.is_neg():
+            return t
+        new = MEMORY_FORMATS[fmt](t.detach())
+        if new is not t and layout(new) != layout(t):
+            changed.append(t)
+            return new.requires_grad_(t.requires_grad) if t.requires_grad else new
+        return t
+    converted = SampleInputLike(tree_map(convert, sample.input), tree_map(convert, sample.args),
+                                tree_map(convert, sample.kwargs))
+    return converted if changed else None
 
 
 # ---- the conformance loop (runs in a subprocess) ----
@@ -236,6 +302,20 @@ def empty_outs_like(result):
     return None
 
 
+def transposed_outs_like(result):
+    """out= arguments with the result's sizes and dtypes, transposed in memory; None if no result
+    has two dimensions."""
+    results = [result] if isinstance(result, torch.Tensor) else list(result) if isinstance(
+        result, tuple) and all(isinstance(t, torch.Tensor) for t in result) else []
+    if not results or not any(t.dim() >= 2 for t in results):
+        return None
+
+    def make(device):
+        outs = [_transposed(torch.empty(t.shape, dtype=t.dtype, device=device)) for t in results]
+        return outs[0] if isinstance(result, torch.Tensor) else tuple(outs)
+    return make
+
+
 def small(sample):
     return all(t.numel() <= MAX_NUMEL
                for t in tensors_of([sample.input, list(sample.args), sample.kwargs]))
@@ -265,17 +345,25 @@ def check_entry(op, dtype, device, full=True):
         except Exception:
             return "cpu-only", "no samples on the CPU either", 0
         return "fail", f"sample generation on {device}: {first_line(e)}", 0
+    formats = []
     if samples and full:
         # The first sample once more with non-contiguous tensors (strided CPU aliases).
         try:
             samples.append(samples[0].noncontiguous())
         except Exception:
             pass
+        # And in each memory format (function variant only).
+        for fmt in MEMORY_FORMATS:
+            converted = in_memory_format(samples[0], fmt)
+            if converted is not None:
+                formats.append((fmt, converted))
     compared = 0
-    for i, sample in enumerate(samples):
+    for i, (fmt, sample) in enumerate([(None, s) for s in samples] + formats):
+        if fmt is not None:
+            i = -1  # a memory format: the function variant only
         cpu_sample = SampleInputLike(to_cpu(sample.input), to_cpu(sample.args),
                                      to_cpu(sample.kwargs))
-        variants = [("function", op.op, {})]
+        variants = [("function" if fmt is None else f"function ({fmt})", op.op, {})]
         if full and i == 0 and op.inplace_variant is not None:
             variants.append(("in-place", op.inplace_variant, {"inplace": True}))
         for label, fn, kw in variants:
@@ -289,11 +377,15 @@ def check_entry(op, dtype, device, full=True):
                 state, torch.get_rng_state())
             todo = [(label, kw, expected, cpu_inputs)]
             if full and i == 0 and label == "function" and op.supports_out:
-                out = empty_outs_like(expected)
-                if out is not None:
+                # An empty out= (resized by the kernel), and one of the right sizes in another
+                # layout (transposed), which the kernel writes through or restrides as the CPU's.
+                for what, out in (("out=", empty_outs_like(expected)),
+                                  ("out= (transposed)", transposed_outs_like(expected))):
+                    if out is None:
+                        continue
                     try:
                         torch.manual_seed(0)
-                        todo.append(("out=", {"out": out, "device": device},
+                        todo.append((what, {"out": out, "device": device},
                                      *run_variant(fn, cpu_sample, out=out, device="cpu")))
                     except Exception:
                         pass
@@ -396,6 +488,8 @@ def check_gradients(op, device):
                 if a is not None:
                     assert a.device == torch.device(device), f"gradient on {a.device}"
                     torch.testing.assert_close(a.cpu(), e, equal_nan=True)
+                    assert layout(a) == layout(e), (
+                        f"gradient: sizes, strides, offset {layout(a)}, the CPU's {layout(e)}")
                     note_bits(a, e, f"float64 gradient on {device}")
         except Exception as e:
             return "fail", f"float64 gradient on {device}: {first_line(e)}", 0
@@ -610,6 +704,27 @@ def test_a_lost_view_is_detected():
     op = FakeOp(lambda x: x.clone().view(2, 3) if on_device(x) else x.view(2, 3))
     status, detail, _ = check_entry(op, torch.float32, "openreg:0")
     assert status == "fail" and "share memory" in detail
+
+
+def test_a_different_layout_is_detected():
+    # The same values in other strides (a fresh result, so no view relation differs).
+    op = FakeOp(lambda x: (x * 2).view(2, 3).t().contiguous() if on_device(x) else
+                (x * 2).view(2, 3).t())
+    status, detail, _ = check_entry(op, torch.float32, "openreg:0")
+    assert status == "fail" and "strides" in detail and "(1, 3)" in detail
+
+
+def test_a_layout_lost_in_one_memory_format_is_detected():
+    # Right for contiguous inputs, but a channels-last input's result comes back contiguous.
+    op = FakeOp(lambda x: (x * 2).contiguous() if on_device(x) else x * 2,
+                make=lambda dev: [torch.arange(24.0, device=dev).view(1, 2, 3, 4)])
+    status, detail, _ = check_entry(op, torch.float32, "openreg:1")
+    assert status == "fail" and "function (channels_last)" in detail, detail
+    for fmt, expected in [("channels_last", (24, 1, 8, 2)), ("transposed", (24, 12, 1, 3)),
+                          ("sliced", (48, 24, 8, 2))]:
+        t = in_memory_format(SampleInputLike(torch.ones(1, 2, 3, 4), (), {}), fmt).input
+        assert t.stride() == expected and torch.equal(t, torch.ones(1, 2, 3, 4)), fmt
+    assert in_memory_format(SampleInputLike(torch.ones(5), (), {}), "channels_last") is None
 
 
 def test_random_ops_are_compared_by_structure():
