@@ -217,7 +217,9 @@ def _fake_convolution_as_on_cpu(fake_impls: Any) -> None:
     kernels return the CPU kernel's layouts (channels-last in, channels-last out). So for openreg
     tensors torch's rule runs on CPU fake tensors of the same metadata, and its results come back
     on the openreg device; Inductor's convolution lowering and its layout optimization take their
-    layouts from this rule too. Any other device keeps torch's rule untouched."""
+    layouts from this rule too. Any other device keeps torch's rule untouched. (This file's hash
+    is part of Inductor's cache key, ``_cache_system_info``: code compiled under another
+    prediction is not reused.)"""
     table = fake_impls.op_implementations_dict
     aten = torch.ops.aten
     for op in (aten.convolution.default, aten._convolution.default,
