@@ -428,8 +428,8 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         over NCHW activations reads 2x2 windows with stride 2: 8 such loads in 53 operations
         (0.15), so the kernel, with its index and NaN logic, runs one element at a time. CPU
         graphs rarely meet it: Inductor makes CPU convolution graphs channels-last, where the
-        windows are contiguous along channels; openreg's convolution graphs stay NCHW
-        (pitfall 11). A vectorized kernel gathers a strided operand with one scalar loop per
+        windows are contiguous along channels; openreg's convolution graphs of an NCHW model
+        stay NCHW. A vectorized kernel gathers a strided operand with one scalar loop per
         vector, as the scalar kernel reads it anyway, and runs the rest 16 lanes wide: the CNN's
         compiled forward went from 4.9 to 3.3-3.5 ms (docs/compile.md, "Strided loads"). So
         openreg kernels accept up to ``_STRIDED_RATIO`` of such operations. The threshold is a
