@@ -61,6 +61,23 @@ def test_bitwise_mode_sees_a_difference_in_the_last_bit():
     assert ok  # within the tolerance of the default mode
 
 
+@pytest.mark.parametrize("line,expected", [
+    ("v0 = torch.ones(2, 3, device=D).t() if D == 'cpu' else torch.ones(3, 2, device=D)",
+     "strides"),
+    ("v0 = torch.ones(4, device=D)[1:] if D == 'cpu' else torch.ones(3, device=D)",
+     "storage offset"),
+], ids=["strides", "offset"])
+def test_bitwise_mode_compares_the_layout(line, expected):
+    # --bitwise: equal bits in another layout are a disagreement too.
+    fuzz.BITWISE = True
+    try:
+        ok, result = run([line])
+    finally:
+        fuzz.BITWISE = False
+    assert not ok
+    assert expected in result.disagreements[0][1]
+
+
 def run(lines):
     result = fuzz.Result()
     ok = fuzz.Program(0, 0, result).run([(line, "test", True) for line in lines])

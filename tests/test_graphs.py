@@ -626,3 +626,26 @@ def test_query_during_capture():
     with pytest.raises(RuntimeError, match="invalidated"):
         with s, g2:
             s.query()
+
+
+@pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv3d_transposed", "unbatched"])
+def test_captured_convolutions_have_the_eager_layouts(case):
+    # A convolution is recorded without running: its meta function predicts the layouts the kernel
+    # returns at replay, the CPU's (channels-last in, channels-last out; docs/overrideable_ops.md).
+    torch.manual_seed(0)
+    cl = lambda t: t.transpose(1, -1).contiguous().transpose(1, -1)  # channels innermost
+    x, w, fn = {"conv2d": ((2, 3, 6, 6), (4, 3, 3, 3), torch.nn.functional.conv2d),
+                "conv1d": ((2, 3, 7), (4, 3, 3), torch.nn.functional.conv1d),
+                "conv3d_transposed": ((1, 3, 3, 4, 3), (3, 2, 2, 2, 2),
+                                      torch.nn.functional.conv_transpose3d),
+                "unbatched": ((3, 6, 6), (4, 3, 3, 3), torch.nn.functional.conv2d)}[case]
+    x, w = cl(torch.randn(x)).to(DEV), cl(torch.randn(w)).to(DEV)
+    go = torch.ones_like(fn(x, w))
+    eager = fn(x, w), *torch.autograd.grad(fn(x.requires_grad_(), w.requires_grad_()), (x, w), go)
+    s, g = side_stream(), torch.accelerator.Graph()
+    with s, g:
+        captured = fn(x, w), *torch.autograd.grad(fn(x, w), (x, w), go)
+    g.replay()
+    for c, e in zip(captured, eager):
+        assert (c.shape, c.stride(), c.storage_offset()) == (e.shape, e.stride(), e.storage_offset())
+        assert torch.equal(c.cpu(), e.cpu())

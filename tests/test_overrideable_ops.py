@@ -5,6 +5,7 @@ _fused_sdp_choice.
 
 Every result is compared with the same computation on the CPU. The RNN cells are in test_rnn.py.
 """
+import copy
 import math
 import warnings
 
@@ -100,6 +101,90 @@ def test_convolution_channels_last_and_double(device):
     yd.sum().backward()
     torch.testing.assert_close(xd.grad.cpu(), x.grad)
     torch.testing.assert_close(wd.grad.cpu(), w.grad)
+
+
+def layout(t):
+    return None if t is None else (tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def in_format(t, fmt):
+    """`t` channels-last (channels_last for 4-D, channels_last_3d for 5-D, channels innermost for
+    3-D), or the transpose of a contiguous tensor of the transposed shape ("transposed")."""
+    if fmt == "contiguous":
+        return t.contiguous()
+    if fmt == "transposed":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return t.contiguous(memory_format=torch.channels_last_3d)
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("formats", [("channels_last", "contiguous"),
+                                     ("contiguous", "channels_last"),
+                                     ("channels_last", "channels_last"),
+                                     ("transposed", "contiguous")])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_convolution_layouts_are_the_cpus(device, case, formats):
+    # Sizes, strides and storage offset of the output and of the three gradients equal the CPU
+    # kernel's for every layout of input and weight (docs/overrideable_ops.md): the CPU keeps a
+    # channels-last input's or weight's layout where its backend does.
+    fn, xs, ws, has_bias, kwargs = CONV_CASES[case]
+    torch.manual_seed(0)
+    x, w = in_format(torch.randn(xs), formats[0]), in_format(torch.randn(ws), formats[1])
+    out_channels = ws[1] * kwargs.get("groups", 1) if "transpose" in fn.__name__ else ws[0]
+    b = torch.randn(out_channels) if has_bias else None
+    y = fn(x, w, b, **kwargs)
+    yd = fn(*to_device([x, w, b], device), **kwargs)
+    assert layout(yd) == layout(y)
+    torch.testing.assert_close(yd.cpu(), y, rtol=0, atol=0)
+    if x.dim() == w.dim() - 1:
+        return  # unbatched: autograd's backward batches it first (layouts of views)
+    transposed = "transpose" in fn.__name__
+    dims = w.dim() - 2
+    stride, padding, dilation = (list(torch.nn.modules.utils._ntuple(dims)(kwargs.get(k, d)))
+                                 for k, d in (("stride", 1), ("padding", 0), ("dilation", 1)))
+    args = (stride, padding, dilation, transposed, [0] * dims, kwargs.get("groups", 1))
+    if isinstance(kwargs.get("padding"), str):
+        return  # padding="same" pads in the composite function, not in the kernel
+    go = in_format(torch.randn(y.shape), formats[0])
+    expected = torch.ops.aten.convolution_backward(go, x, w, [out_channels], *args,
+                                                   [True, True, True])
+    got = torch.ops.aten.convolution_backward(*to_device([go, x, w], device), [out_channels],
+                                              *args, [True, True, True])
+    for g, e in zip(got, expected):
+        assert layout(g) == layout(e)
+        torch.testing.assert_close(g.cpu(), e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module", ["conv2d", "conv_transpose2d", "conv3d"])
+@pytest.mark.parametrize("module_format", ["contiguous", "channels_last"])
+def test_convolution_modules_keep_the_cpus_layouts(device, module, module_format):
+    # The issue's cases: a channels-last input through Conv2d, ConvTranspose2d and Conv3d, the
+    # module itself channels-last or contiguous; the output and the gradients of the input and of
+    # the parameters have the CPU's layouts.
+    torch.manual_seed(0)
+    make, xs = {"conv2d": (lambda: torch.nn.Conv2d(4, 6, 3, padding=1), (2, 4, 6, 6)),
+                "conv_transpose2d": (lambda: torch.nn.ConvTranspose2d(4, 6, 3, stride=2),
+                                     (2, 4, 5, 5)),
+                "conv3d": (lambda: torch.nn.Conv3d(4, 6, 3, padding=1), (2, 4, 4, 5, 3))}[module]
+    cpu_module = make()
+    x = in_format(torch.randn(xs), "channels_last")
+    if module_format == "channels_last":
+        cpu_module = cpu_module.to(memory_format=torch.channels_last if x.dim() == 4
+                                   else torch.channels_last_3d)
+    dev_module = copy.deepcopy(cpu_module).to(device)
+    xc, xd = x.clone().requires_grad_(), x.to(device).requires_grad_()
+    y, yd = cpu_module(xc), dev_module(xd)
+    assert layout(yd) == layout(y)
+    g = in_format(torch.randn(y.shape), "channels_last")
+    y.backward(g)
+    yd.backward(g.to(device))
+    for got, expected in [(xd, xc), *zip(dev_module.parameters(), cpu_module.parameters())]:
+        assert layout(got.grad) == layout(expected.grad)
+        # (close, not equal: backward runs with one OpenMP thread, docs/determinism.md)
+        torch.testing.assert_close(got.grad.cpu(), expected.grad)
 
 
 def test_convolution_double_backward(device):

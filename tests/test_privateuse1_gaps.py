@@ -251,3 +251,35 @@ def test_diffusers_get_device_asks_torch_accelerator():
     assert get_device() == "openreg"
     assert "openreg" in SUPPORTED_DEVICE_MAP
 # [docs:end GAP_DIFFUSERS_GET_DEVICE]
+
+
+# [docs:start GAP_CONVOLUTION_LAYOUT]
+def test_privateuse1_convolution_layout_is_predicted_nchw():
+    """ATen's prediction of a convolution's memory format (the one FakeTensor, and so Inductor,
+    uses) for a PrivateUse1 device: the backend is `Overrideable`, whose format is contiguous
+    whatever the layouts of input and weight, where the CPU's (and CUDA's, XPU's, MPS's) follows a
+    channels-last input or weight. The rule torch's FakeTensor runs, without openreg's own
+    (torch_openreg/compile.py, FAKE_CONVOLUTION)."""
+    from torch._subclasses import FakeTensorMode, fake_impls
+
+    def predicted(device):
+        x = torch.randn(2, 3, 6, 6, device=device).to(memory_format=torch.channels_last)
+        w = torch.randn(4, 3, 3, 3, device=device).to(memory_format=torch.channels_last)
+        args = dict(stride=[1, 1], padding=[1, 1], dilation=[1, 1], transposed=False,
+                    output_padding=[0, 0], groups=1)
+        mode = FakeTensorMode()
+        with mode:
+            fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+            backend = torch._C._select_conv_backend(fx, fw, bias=None, **args)
+            fmt = torch._C._conv_determine_backend_memory_format(fx, fw, backend)
+            # torch's own FakeTensor rule (under openreg's, which predicts the CPU's layout)
+            rule = fake_impls.op_implementations_dict[torch.ops.aten.convolution.default].args[0]
+            out = rule(mode, torch.ops.aten.convolution.default, fx, fw, None, *args.values())
+        return str(backend), fmt, out.stride()
+
+    assert predicted("cpu")[1:] == (torch.channels_last, (144, 1, 24, 4))
+    backend, fmt, strides = predicted("openreg")
+    assert backend.endswith("ConvBackend.Overrideable"), backend
+    assert (fmt, strides) == (torch.contiguous_format, (144, 36, 6, 1)), \
+        CLOSED + f"{backend} predicts {fmt}, strides {strides}"
+# [docs:end GAP_CONVOLUTION_LAYOUT]

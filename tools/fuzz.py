@@ -655,9 +655,8 @@ class Program:
 
     def g_layer_op(self):
         r = self.rng
-        # Channels-last inputs, except for convolutions: openreg returns their results in the
-        # layout Inductor predicts for the overrideable backend (contiguous), the CPU keeps the
-        # input's (docs/overrideable_ops.md): the values are equal, the strides are not.
+        # Channels-last inputs half of the time: results and gradients must have the CPU's
+        # strides (a convolution keeps a channels-last input's layout, docs/overrideable_ops.md).
         x4 = f"on(mk((2, 8, 7, 6), torch.float32, {r.randrange(10**6)}), D)"
         x4_cl = x4 + ".contiguous(memory_format=torch.channels_last)"
         if r.random() < 0.5:
@@ -671,8 +670,11 @@ class Program:
             (f"lambda x, w: {F}.conv_transpose2d(x, w, stride=2, output_padding=1)",
              [x4, w((8, 3, 3, 3))], "conv_transpose2d"),
             (f"lambda x, w: {F}.conv1d(x, w, padding=2)",
-             [w((2, 8, 11)), w((5, 8, 3))], "conv1d"),
-            (f"lambda x, w: {F}.conv3d(x, w)", [w((1, 2, 5, 5, 5)), w((3, 2, 2, 2, 2))], "conv3d"),
+             [w((2, 8, 11)) + r.choice(["", ".transpose(1, 2).contiguous().transpose(1, 2)"]),
+              w((5, 8, 3))], "conv1d"),
+            (f"lambda x, w: {F}.conv3d(x, w)",
+             [w((1, 2, 5, 5, 5)) + r.choice(["", ".contiguous(memory_format=torch.channels_last_3d)"]),
+              w((3, 2, 2, 2, 2))], "conv3d"),
             (f"lambda x, w, b: {F}.group_norm(x, 4, w, b)", [x4, w((8,)), w((8,))], "group_norm"),
             (f"lambda x, w, b: {F}.batch_norm(x, None, None, w, b, training=True)",
              [x4, w((8,)), w((8,))], "batch_norm"),
@@ -691,8 +693,7 @@ class Program:
         if op == "conv2d":  # weight shape follows the groups chosen
             groups = int(f.split("groups=")[1].split(")")[0])
             args[1] = w((4, 8 // groups, 3, 3))
-        if (op.startswith("conv") or (op == "group_norm" and not GROUP_NORM_KEEPS_LAYOUT)) and \
-                args[0] == x4_cl:
+        if op == "group_norm" and not GROUP_NORM_KEEPS_LAYOUT and args[0] == x4_cl:
             args[0] = x4_cl.replace(".contiguous(memory_format=torch.channels_last)", "")
         names = ", ".join(self.new() for _ in range(len(args) + 1))
         return f"{names} = grads_of({f}, {', '.join(args)})", op, False

@@ -204,6 +204,58 @@ def _register_dynamo_backend(registry: Any) -> None:
 # [docs:end DYNAMO_BACKEND]
 
 
+# ---- FakeTensor: the CPU's convolution layouts ---------------------------------------------------
+
+# [docs:start FAKE_CONVOLUTION]
+def _fake_convolution_as_on_cpu(fake_impls: Any) -> None:
+    """FakeTensor predicts an openreg convolution's layouts as it predicts the CPU's.
+
+    Compilers never run a convolution to learn its layouts: FakeTensor's rule (``conv`` in
+    torch/_subclasses/fake_impls.py) asks ATen which backend the convolution would use and that
+    backend's memory format. For an openreg tensor ATen answers ``ConvBackend::Overrideable``,
+    whose format is NCHW whatever the inputs' layouts (docs/privateuse1_gaps.md), while openreg's
+    kernels return the CPU kernel's layouts (channels-last in, channels-last out). So for openreg
+    tensors torch's rule runs on CPU fake tensors of the same metadata, and its results come back
+    on the openreg device; Inductor's convolution lowering and its layout optimization take their
+    layouts from this rule too. Any other device keeps torch's rule untouched. (This file's hash
+    is part of Inductor's cache key, ``_cache_system_info``: code compiled under another
+    prediction is not reused.)"""
+    table = fake_impls.op_implementations_dict
+    aten = torch.ops.aten
+    for op in (aten.convolution.default, aten._convolution.default,
+               aten._convolution.deprecated, aten.convolution_backward.default):
+        table[op] = functools.partial(_fake_convolution, table[op])
+
+
+def _fake_convolution(torch_rule: Callable[..., Any], fake_mode: Any, func: Any, *args: Any,
+                      **kwargs: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    fakes = [a for a in (*args, *kwargs.values()) if isinstance(a, FakeTensor)]
+    devices = {t.fake_device for t in fakes}
+    if len(devices) != 1 or next(iter(devices)).type != "openreg":
+        return torch_rule(fake_mode, func, *args, **kwargs)  # and its errors for mixed devices
+    device, cpu = devices.pop(), torch.device("cpu")
+
+    def on_cpu(a: Any) -> Any:  # the same tensor, seen as a CPU tensor
+        if not isinstance(a, FakeTensor):
+            return a
+        with in_kernel_invocation_manager(fake_mode):
+            return FakeTensor(fake_mode, torch.ops.aten.alias.default(a), cpu)
+
+    def on_device(t: Any) -> Any:  # a fresh result, on the openreg device
+        if t is None:
+            return t
+        with in_kernel_invocation_manager(fake_mode):
+            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            return FakeTensor(fake_mode, meta, device)
+
+    out = torch_rule(fake_mode, func, *map(on_cpu, args),
+                     **{k: on_cpu(v) for k, v in kwargs.items()})
+    return tuple(map(on_device, out)) if isinstance(out, tuple) else on_device(out)
+# [docs:end FAKE_CONVOLUTION]
+
+
 # ---- Inductor ----------------------------------------------------------------------------------
 
 _INDUCTOR_MODULES = ("torch._inductor.codegen.common", "torch._inductor.codegen.wrapper",
@@ -376,8 +428,8 @@ def _register_inductor(common: Any, wrapper: Any, cpp: Any) -> None:
         over NCHW activations reads 2x2 windows with stride 2: 8 such loads in 53 operations
         (0.15), so the kernel, with its index and NaN logic, runs one element at a time. CPU
         graphs rarely meet it: Inductor makes CPU convolution graphs channels-last, where the
-        windows are contiguous along channels; openreg's convolution graphs stay NCHW
-        (pitfall 11). A vectorized kernel gathers a strided operand with one scalar loop per
+        windows are contiguous along channels; openreg's convolution graphs of an NCHW model
+        stay NCHW. A vectorized kernel gathers a strided operand with one scalar loop per
         vector, as the scalar kernel reads it anyway, and runs the rest 16 lanes wide: the CNN's
         compiled forward went from 4.9 to 3.3-3.5 ms (docs/compile.md, "Strided loads"). So
         openreg kernels accept up to ``_STRIDED_RATIO`` of such operations. The threshold is a
@@ -514,6 +566,7 @@ def install() -> None:
     _after_import.watch("torch._dynamo.device_interface", _register_dynamo)
     _after_import.watch("torch._dynamo.decorators", _stream_context_runs_eagerly)
     _after_import.watch("torch._dynamo.backends.registry", _register_dynamo_backend)
+    _after_import.watch("torch._subclasses.fake_impls", _fake_convolution_as_on_cpu)
     for name in _INDUCTOR_MODULES:
         _after_import.watch(name, _inductor_module_loaded)
     if _after_import not in sys.meta_path:

@@ -89,48 +89,96 @@ void for_rows(int64_t rows, int64_t cols, const F& f) {
 // ---------------------------------------------------------------------------------------------
 
 // [docs:start CONVOLUTION_LAYOUT]
-// The memory format of the output and of the input and weight gradients. Compilers do not run
-// the kernel: FakeTensor's convolution (torch/_subclasses/fake_impls.py) predicts the layout with
-// this function of ATen for the backend `_convolution` selects, and for a PrivateUse1 device that
-// is `Overrideable`, for which it says NCHW (contiguous) whatever the inputs' layouts. Inductor
-// checks the strides of extern kernels' outputs against that prediction, so the kernels return
-// exactly this layout, as CUDA returns what cuDNN's rule predicts, even where the CPU kernel
-// would keep a channels-last input's layout.
-at::MemoryFormat conv_memory_format(const at::Tensor& input, const at::Tensor& weight) {
-  return at::native::_determine_backend_memory_format(input, weight,
-                                                      at::native::ConvBackend::Overrideable);
+// The layouts of the results are the CPU kernel's: the kernels below return what the CPU's
+// convolution returns, and where a layout must be known without running the kernel (graph
+// capture), it is predicted as FakeTensor predicts the CPU's (torch/_subclasses/fake_impls.py,
+// `conv`), with the backend ATen would choose for CPU tensors of the same metadata. ATen's own
+// choice for an openreg tensor, ConvBackend::Overrideable, would say NCHW whatever the inputs'
+// layouts (docs/privateuse1_gaps.md); FakeTensor is given the CPU's prediction in Python
+// (torch_openreg/compile.py, FAKE_CONVOLUTION).
+
+// A CPU tensor with `t`'s dtype and sizes, the given strides and no memory: ATen's functions that
+// choose a convolution backend read nothing else.
+at::Tensor cpu_metadata(const at::Tensor& t, c10::IntArrayRef strides) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, at::DataPtr(nullptr, at::kCPU));
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), strides);
+  return at::Tensor(std::move(impl));
+}
+
+// The memory format of the output and of the input and weight gradients on the CPU.
+at::MemoryFormat cpu_conv_memory_format(const at::Tensor& input, const at::Tensor& weight,
+                                        const at::Tensor& bias, c10::IntArrayRef stride,
+                                        c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                        bool transposed, c10::IntArrayRef output_padding,
+                                        int64_t groups, at::OptionalIntArrayRef bias_sizes) {
+  // Unbatched: the CPU batches it with a view and runs a kernel that returns contiguous results.
+  if (input.dim() == weight.dim() - 1) return at::MemoryFormat::Contiguous;
+  at::Tensor in = cpu_metadata(input, input.strides()), w = cpu_metadata(weight, weight.strides());
+  const std::optional<at::Tensor> b =
+      bias.defined() ? std::optional<at::Tensor>(cpu_metadata(bias, bias.strides())) : std::nullopt;
+  const auto backend = at::native::select_conv_backend(
+      in, w, b, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),
+      c10::fromIntArrayRefSlow(dilation), transposed, c10::fromIntArrayRefSlow(output_padding),
+      groups, bias_sizes.has_value()
+                  ? at::OptionalSymIntArrayRef(c10::fromIntArrayRefSlow(*bias_sizes))
+                  : at::OptionalSymIntArrayRef(std::nullopt));
+  if (weight.dim() == 3) {  // 1d runs as 2d, on a contiguous input
+    in = cpu_metadata(input, c10::contiguous_strides(input.sizes())).unsqueeze(2);
+    w = w.unsqueeze(2);
+  }
+  return at::native::_determine_backend_memory_format(in, w, backend);
+}
+
+// `t` (a fresh meta result) in `format`; a 1d result channels-last as the 2d one it was.
+at::Tensor in_format(const at::Tensor& t, at::MemoryFormat format) {
+  if (t.dim() == 3 && format == at::MemoryFormat::ChannelsLast)
+    return t.unsqueeze(2).contiguous(format).squeeze(2);
+  return t.contiguous(format);
 }
 // [docs:end CONVOLUTION_LAYOUT]
 
 // Output shapes for graph capture (the overrideable ops have no Meta kernel): `convolution`
 // takes the same arguments and has one; the backward's gradients have the inputs' shapes. Both
-// in the layout the kernels return.
+// in the CPU's layout, as the kernels return them.
 void convolution_meta(c10::Stack* stack) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
-  const auto format = conv_memory_format((*stack)[0].toTensor(), (*stack)[1].toTensor());
+  // (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+  const c10::Stack& a = *stack;
+  const at::Tensor bias = a[2].isTensor() ? a[2].toTensor() : at::Tensor();
+  const auto format = cpu_conv_memory_format(
+      a[0].toTensor(), a[1].toTensor(), bias, a[3].toIntVector(), a[4].toIntVector(),
+      a[5].toIntVector(), a[6].toBool(), a[7].toIntVector(), a[8].toInt(), std::nullopt);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
-  (*stack)[0] = (*stack)[0].toTensor().contiguous(format);
+  (*stack)[0] = in_format((*stack)[0].toTensor(), format);
 }
 
 void convolution_backward_meta(c10::Stack* stack) {
   // (grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,
   //  output_mask)
-  const auto mask = (*stack)[9].to<std::array<bool, 3>>();
-  const at::Tensor grad_output = (*stack)[0].toTensor();
-  const at::Tensor input = (*stack)[1].toTensor(), weight = (*stack)[2].toTensor();
-  const auto format = conv_memory_format(input, weight);
+  const c10::Stack& a = *stack;
+  const auto mask = a[9].to<std::array<bool, 3>>();
+  const at::Tensor grad_output = a[0].toTensor();
+  const at::Tensor input = a[1].toTensor(), weight = a[2].toTensor();
+  const int64_t bias_size[] = {grad_output.size(1)};
+  const auto format = cpu_conv_memory_format(
+      input, weight, at::Tensor(), a[3].toIntVector(), a[4].toIntVector(), a[5].toIntVector(),
+      a[6].toBool(), a[7].toIntVector(), a[8].toInt(), c10::IntArrayRef(bias_size));
+  auto grad = [&](bool wanted, const at::Tensor& like, at::MemoryFormat f) {
+    return wanted ? in_format(at::empty(like.sizes(), like.options()), f) : at::Tensor();
+  };
+  at::Tensor gi = grad(mask[0], input, format), gw = grad(mask[1], weight, format);
+  at::Tensor gb = mask[2] ? at::empty({grad_output.size(1)}, grad_output.options()) : at::Tensor();
   stack->clear();
-  stack->emplace_back(mask[0] ? at::empty(input.sizes(), input.options().memory_format(format))
-                              : at::Tensor());
-  stack->emplace_back(mask[1] ? at::empty(weight.sizes(), weight.options().memory_format(format))
-                              : at::Tensor());
-  stack->emplace_back(mask[2] ? at::empty({grad_output.size(1)}, grad_output.options())
-                              : at::Tensor());
+  stack->emplace_back(std::move(gi));
+  stack->emplace_back(std::move(gw));
+  stack->emplace_back(std::move(gb));
 }
 
 // [docs:start CONVOLUTION]
 // The CPU has every convolution (1d/2d/3d, transposed, grouped, dilated): run it on the device
-// memory, and return the results in the layout compilers predict (conv_memory_format above).
+// memory, and return its results as they are, in the CPU kernel's layouts.
 // `_convolution` has already checked the arguments and chosen this backend.
 at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
@@ -146,7 +194,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   HostKernel k(device);
   at::Tensor out = at::convolution(k.alias(input), k.alias(weight), alias_optional(k, bias), stride,
                                    padding, dilation, transposed, output_padding, groups);
-  return k.result(out.contiguous(conv_memory_format(input, weight)));
+  return k.result(std::move(out));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -167,12 +215,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
       k.alias(grad_output), k.alias(input), k.alias(weight), c10::IntArrayRef(bias_size), stride,
       padding, dilation, transposed, output_padding, groups, output_mask);
   // Some CPU kernels compute more than asked; return exactly what the mask asks for.
-  const auto format = conv_memory_format(input, weight);
-  auto wanted = [&](const at::Tensor& g, bool w, at::MemoryFormat f) {
-    return w ? k.result(g.contiguous(f)) : at::Tensor();
-  };
-  return {wanted(grad_input, output_mask[0], format), wanted(grad_weight, output_mask[1], format),
-          wanted(grad_bias, output_mask[2], at::MemoryFormat::Contiguous)};
+  auto wanted = [&](at::Tensor& g, bool w) { return w ? k.result(std::move(g)) : at::Tensor(); };
+  return {wanted(grad_input, output_mask[0]), wanted(grad_weight, output_mask[1]),
+          wanted(grad_bias, output_mask[2])};
 }
 // [docs:end CONVOLUTION]
 
