@@ -699,7 +699,9 @@ def test_cpu_layout_bugs_are_listed(conformance):
     unexpected = {k: v for k, v in noted.items() if k not in CPU_LAYOUT_BUGS}
     assert not unexpected, "the CPU's results change with the layout of the same values:\n" + \
         "\n".join(f"  {k}: {d}" for k, d in sorted(unexpected.items()))
-    gone = [k for k in CPU_LAYOUT_BUGS if k not in noted]
+    # An entry whose OpInfo the installed torch does not have (torch 2.13 has none for
+    # _scaled_dot_product_flash_attention_for_cpu) cannot show the bug; one that ran must.
+    gone = [k for k in CPU_LAYOUT_BUGS if k in conformance and k not in noted]
     assert not gone, f"listed in CPU_LAYOUT_BUGS but consistent now: {gone}"
 
 
