@@ -45,7 +45,18 @@ def _device(device: Any, any_ok: bool = True) -> int:
 
 
 # [docs:start OOM_FAULT]
-class oom:
+class _Fault:
+    """A fault's context-manager form: armed on entry, disarmed on exit (each fault class has its
+    own arm and disarm)."""
+
+    def __enter__(self):
+        return self.arm()
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
+
+
+class oom(_Fault):
     """Among the allocations on ``device`` (None: any openreg device) of at least ``min_bytes``,
     the ``nth`` one from now raises ``torch.OutOfMemoryError``, then the next ``times - 1``
     matching ones too (``times=None``: all of them, as a smaller device would).
@@ -70,16 +81,11 @@ class oom:
     def disarm(self) -> None:
         self.fired = _C._oom_fired()
         _C._disarm_oom()
-
-    __enter__ = arm
-
-    def __exit__(self, *exc: object) -> None:
-        self.disarm()
 # [docs:end OOM_FAULT]
 
 
 # [docs:start KERNEL_ERROR_FAULT]
-class kernel_error:
+class kernel_error(_Fault):
     """The ``nth`` kernel launched from now on ``device`` (None: any openreg device) and
     ``stream`` (None: any of its streams) whose operator is ``op`` (None: any kernel; "mm" and
     "aten::mm" both name ``torch.mm``, and a kernel run inside a composite operator matches
@@ -110,16 +116,11 @@ class kernel_error:
 
     def disarm(self) -> None:
         _C._disarm_kernel_fault()
-
-    __enter__ = arm
-
-    def __exit__(self, *exc: object) -> None:
-        self.disarm()
 # [docs:end KERNEL_ERROR_FAULT]
 
 
 # [docs:start COLLECTIVE_FAULTS]
-class collective_hang:
+class collective_hang(_Fault):
     """This process's ``nth`` occl collective from now never completes: the rank is stuck, as
     a rank in a deadlock or a hung data loader. Its peers get the process group's timeout error
     (gloo's "Timed out waiting ..."), within the timeout given to ``init_process_group``; the
@@ -139,11 +140,6 @@ class collective_hang:
 
     def disarm(self) -> None:
         _C._disarm_collective_fault()
-
-    __enter__ = arm
-
-    def __exit__(self, *exc: object) -> None:
-        self.disarm()
 
 
 class rank_exit(collective_hang):
