@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Callable
 
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import measure  # noqa: E402
+from workloads import bench, fmt_time as _fmt  # noqa: E402
 
 Step = Callable[[], object]
 
@@ -240,21 +239,6 @@ WORKLOADS = {  # name -> (builder, target ratio openreg / CPU, description)
     "gradcheck": (gradcheck, 1.2, "gradcheck + gradgradcheck, tanh/softmax of Linear(4, 3)"),
     "test_suite": (test_suite, 1.2, "test-suite workload (OpInfo samples, modules, gradchecks, optimizers)"),
 }
-
-
-def bench(build: Callable[[str], Step], device: str, rounds: int, steps: int) -> tuple[float, float]:
-    step_of = {d: build(d) for d in ("cpu", device)}
-    for step in step_of.values():  # warm-up: caches, allocator, autograd threads
-        measure(step, max(3, steps // 4))
-    times: dict[str, list[float]] = {d: [] for d in step_of}
-    for _ in range(rounds):
-        for d, step in step_of.items():
-            times[d] += measure(step, steps)
-    return statistics.median(times["cpu"]), statistics.median(times[device])
-
-
-def _fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def main() -> int:

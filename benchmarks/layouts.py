@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import warnings
 from typing import Callable
@@ -31,7 +30,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import measure  # noqa: E402
+from workloads import bench, fmt_time as _fmt  # noqa: E402
 
 warnings.filterwarnings("ignore")  # sparse invariant checks, beta warnings
 
@@ -228,23 +227,6 @@ WORKLOADS["coo_mm_big"] = (coo_mm_big, None, "`sparse.mm`, COO 1000x1000 7% @ de
 WORKLOADS["csr_mm_big"] = (csr_mm_big, None, "CSR 1000x1000 7% `@` dense 1000x64")
 
 
-def bench(build: Callable[[str], Step], device: str, rounds: int, steps: int) -> tuple[float, float]:
-    step_of = {d: build(d) for d in ("cpu", device)}
-    for step in step_of.values():  # warm-up: caches, allocator
-        measure(step, max(3, steps // 4))
-    times: dict[str, list[float]] = {d: [] for d in step_of}
-    for _ in range(rounds):
-        for d, step in step_of.items():
-            times[d] += measure(step, steps)
-            if d != "cpu":
-                torch.openreg.synchronize()
-    return statistics.median(times["cpu"]), statistics.median(times[device])
-
-
-def _fmt(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,7 +246,7 @@ def main() -> int:
     failed = False
     for name in args.workloads:
         build, target, what = WORKLOADS[name]
-        cpu, dev = bench(build, args.device, args.rounds, args.steps)
+        cpu, dev = bench(build, args.device, args.rounds, args.steps, synchronize=True)
         ratio = dev / cpu
         verdict = "-" if target is None else f"<= {target}x {'ok' if ratio <= target else 'MISSED'}"
         failed |= target is not None and ratio > target

@@ -3,6 +3,7 @@ device and returns a step function; the same seed gives the same model on every 
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -20,6 +21,27 @@ def measure(step: Callable[[], object], n: int) -> list[float]:
         step()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def bench(build: Callable[[str], Step], device: str, rounds: int, steps: int,
+          synchronize: bool = False) -> tuple[float, float]:
+    """Median step times (CPU, device) of `build`'s steps, the two devices taking turns for
+    `rounds` rounds of `steps` steps after a warm-up; `synchronize`: wait for the device's queued
+    work after each of its rounds (benchmarks/layouts.py)."""
+    step_of = {d: build(d) for d in ("cpu", device)}
+    for step in step_of.values():  # warm-up: caches, allocator, autograd threads
+        measure(step, max(3, steps // 4))
+    times: dict[str, list[float]] = {d: [] for d in step_of}
+    for _ in range(rounds):
+        for d, step in step_of.items():
+            times[d] += measure(step, steps)
+            if synchronize and d != "cpu":
+                torch.openreg.synchronize()
+    return statistics.median(times["cpu"]), statistics.median(times[device])
+
+
+def fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def tiny_adds(device: str, n: int = 100) -> Step:
