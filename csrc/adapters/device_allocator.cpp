@@ -517,13 +517,25 @@ void delete_device_memory(void* ptr) {
   TORCH_INTERNAL_ASSERT(false, "openreg: freeing memory the device allocator does not own");
 }
 
+// [docs:start ALLOCATOR_COPY_DATA]
+// Allocator::copy_data: torch copies device memory with it when a copy-on-write storage is
+// materialized (ops/cow.h), at any point of an operator (ATen's TensorIterator asks for its
+// output's memory before the kernel launches). The copy comes after the work issued on the
+// device's current stream, as a kernel would: in the asynchronous mode a write to the shared
+// memory may still be queued. (Inside a kernel the stream is already in order.)
+void copy_in_stream_order(int device, void* dest, const void* src, std::size_t count) {
+  if (!inside_stream_work()) stream_wait(current_stream(device));
+  KernelScope scope;
+  std::memcpy(dest, src, count);
+}
+// [docs:end ALLOCATOR_COPY_DATA]
+
 class OpenRegDeviceAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override { return allocate_on_device(current_device(), nbytes); }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_device_memory; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
-    KernelScope scope;
-    std::memcpy(dest, src, count);
+    copy_in_stream_order(current_device(), dest, src, count);
   }
   bool initialized() override { return is_initialized(); }
   void emptyCache(c10::MempoolId_t) override {
@@ -553,8 +565,7 @@ class DeviceBoundAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override { return allocate_on_device(device_, nbytes); }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_device_memory; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
-    KernelScope scope;
-    std::memcpy(dest, src, count);
+    copy_in_stream_order(device_, dest, src, count);
   }
 
  private:

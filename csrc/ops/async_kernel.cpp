@@ -19,6 +19,7 @@
 #include "runtime/device_profile.h"
 
 #include "adapters/device_allocator.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
 #include "runtime/memory.h"
@@ -922,7 +923,8 @@ Route try_queue(const c10::OperatorHandle& op, c10::Stack* stack, int device,
 
 // [docs:start ASYNC_DEVICE_COPY]
 bool async_device_copy(const at::Tensor& dst, const at::Tensor& src) {
-  if (inside_stream_work() || dst.layout() != c10::kStrided || src.layout() != c10::kStrided)
+  if (inside_stream_work() || dst.layout() != c10::kStrided || src.layout() != c10::kStrided ||
+      is_cow(dst))  // materialized by the synchronous copy (ops/cow.h)
     return false;
   const int device = dst.device().index();
   auto view = [](const at::Tensor& t, const at::Tensor* other, const at::Tensor* other_view) {
@@ -943,7 +945,8 @@ bool async_device_copy(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 bool async_fill(const at::Tensor& self, const c10::Scalar& value, bool memset) {
-  if (inside_stream_work() || self.layout() != c10::kStrided) return false;
+  // A copy-on-write destination: the synchronous fill materializes it (ops/cow.h).
+  if (inside_stream_work() || self.layout() != c10::kStrided || is_cow(self)) return false;
   // The value is converted now, on the host (a value the dtype cannot hold raises the CPU's
   // error at the call, as CUDA converts a kernel's scalar arguments at the launch).
   at::empty({}, at::TensorOptions().dtype(self.scalar_type())).fill_(value);
@@ -961,7 +964,11 @@ bool async_fill(const at::Tensor& self, const c10::Scalar& value, bool memset) {
 
 bool async_fallback(const c10::OperatorHandle& op, c10::Stack* stack, int device,
                     const ArgSummary& s) {
-  const Route route = try_queue(op, stack, device, s);
+  // A written copy-on-write storage is materialized by the synchronous run, in stream order
+  // (ops/cow.h): a copy made now would miss the writes still queued.
+  const Route route = writes_cow(s, *stack, stack->size() - s.kinds.size())
+                          ? Route::Synchronous
+                          : try_queue(op, stack, device, s);
   if (route == Route::Queued) g_queued.fetch_add(1, std::memory_order_relaxed);
   if (route == Route::Synchronous) g_synchronous.fetch_add(1, std::memory_order_relaxed);
   return route != Route::Synchronous;

@@ -11,6 +11,7 @@
 #include "adapters/generator.h"
 #include "adapters/graph.h"
 #include "ops/async_kernel.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "runtime/device.h"
 
@@ -173,6 +174,11 @@ void fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   if (s.any_writes)
     for (size_t i = 0; i < num_args; ++i)
       if (s.writes[i]) written.push_back((*stack)[first + i]);
+  // [docs:start FALLBACK_COW]
+  // A written argument sharing its memory with a lazy clone gets its own copy first, in stream
+  // order (ops/cow.h): the kernel writes through an alias, which cannot do it.
+  materialize_written(s, *stack, first);
+  // [docs:end FALLBACK_COW]
   auto to_cpu = [&](const at::Tensor& t) {
     return t.defined() && t.device().type() == kOpenReg ? kernel.alias(t) : t;
   };
@@ -266,6 +272,7 @@ const ArgSummary& arg_summary(const c10::OperatorHandle& op) {
   s.cpu_tensors_allowed = name == "aten::index" || name == "aten::index_put_" ||
                           name == "aten::_index_put_impl_" || name == "aten::index_put" ||
                           name == "aten::_unsafe_index" || name == "aten::_unsafe_index_put";
+  find_running_stats(schema, s);  // copy-on-write (ops/cow.h)
   return *cache.emplace(&schema, std::make_unique<ArgSummary>(std::move(s))).first->second;
 }
 

@@ -32,6 +32,11 @@ struct ArgSummary {
   bool has_generator = false;
   // Index operators accept CPU index tensors with device tensors, as on CUDA.
   bool cpu_tensors_allowed = false;
+  // Copy-on-write (ops/cow.h): batch norm's running statistics (at running_stats and the next
+  // argument), written when the argument at `training` is true (-1: always), whatever the schema
+  // says. -1: none.
+  int running_stats = -1;
+  int training = -1;
 };
 const ArgSummary& arg_summary(const c10::OperatorHandle& op);
 

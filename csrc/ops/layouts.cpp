@@ -14,6 +14,7 @@
 // aliases of the device memory (no copy), the operator runs its CPU kernel, and results become
 // openreg tensors of the same layout whose dense parts are device memory (ops/cpu_kernel.h).
 #include "adapters/generator.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
@@ -282,6 +283,7 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   c10::SmallVector<c10::IValue, 2> written;
   for (size_t i = 0; i < num_args; ++i)
     if (s.writes[i]) written.push_back((*stack)[first + i]);
+  materialize_written(s, *stack, first);  // copy-on-write (ops/cow.h)
   arguments_to_cpu(*stack, first, s, device,
                    [&](const at::Tensor& t) { return session.to_cpu(t); });
 

@@ -7,6 +7,7 @@
 #include "adapters/graph.h"
 #include "adapters/host_allocator.h"
 #include "ops/async_kernel.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "routes/op_fallback.h"
 #include "runtime/device.h"
@@ -267,13 +268,15 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     else if (async_kernels_enabled() && async_device_copy(dst, self)) return dst;
     HostKernel k(tensor_device(dst));
     mark_launch_as(ActivityKind::CopyDtoD, size_t(dst.numel()) * dst.element_size());
+    materialize_written(dst);  // copy-on-write (ops/cow.h)
     copy_between(k.alias(dst), k.alias(self));
     return dst;
   }
   const at::Tensor& device_side = src_dev ? self : dst;
   const at::Tensor& host_side = src_dev ? dst : self;
   int device = tensor_device(device_side);
-  if (non_blocking && pinned(host_side)) {
+  // A copy-on-write destination is materialized by the blocking copy, in stream order (ops/cow.h).
+  if (non_blocking && pinned(host_side) && !is_cow(dst)) {
     // [docs:start ASYNC_COPY]
     // Asynchronous: queued on the current stream behind the work already issued there, and run
     // by the stream's worker through the device's simulated copy engine. The host gets control
@@ -301,8 +304,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (src_dev) check_device_fault(device);  // a blocking copy to the host synchronizes
   mark_launch_as(src_dev ? ActivityKind::CopyDtoH : ActivityKind::CopyHtoD,
                       size_t(dst.numel()) * dst.element_size());
-  if (src_dev) copy_between(dst, k.alias(self));
-  else copy_between(k.alias(dst), self);
+  if (src_dev) {
+    copy_between(dst, k.alias(self));  // a CPU kernel's write: materializes a COW destination
+  } else {
+    materialize_written(dst);  // copy-on-write (ops/cow.h)
+    copy_between(k.alias(dst), self);
+  }
   return dst;
 }
 // [docs:end COPY_FROM]

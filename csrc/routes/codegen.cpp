@@ -13,6 +13,7 @@
 #include "generated/PrivateUse1NativeFunctions.h"
 
 #include "ops/async_kernel.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "routes/call_counter.h"
 #include "runtime/memory.h"
@@ -44,6 +45,7 @@ bool fills_directly(const at::Tensor& self) {
 
 at::Tensor& fill_on_cpu_kernel(at::Tensor& self, const at::Scalar& value) {
   HostKernel k(self.device().index());
+  materialize_written(self);  // copy-on-write (ops/cow.h)
   k.alias(self).fill_(value);
   return self;
 }

@@ -14,6 +14,7 @@
 // devices, a CPU tensor that is not a 0-dim scalar, an undefined tensor) is boxed and handed to
 // the generic fallback, which checks, refuses or records it exactly as before.
 #include "ops/async_kernel.h"
+#include "ops/cow.h"
 #include "ops/cpu_kernel.h"
 #include "ops/fallback.h"
 #include "routes/call_counter.h"
@@ -59,6 +60,7 @@ struct Devices {
       const int index = t.device().index();
       if (device < 0) device = index;
       else if (index != device) plain = false;
+      if (written && is_cow(t)) plain = false;  // the fallback materializes it (ops/cow.h)
     } else if (type != c10::DeviceType::CPU || t.dim() != 0 || written) {
       plain = false;  // only 0-dim CPU scalars may come along (read)
     }
