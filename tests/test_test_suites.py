@@ -312,6 +312,32 @@ def test_excluded_deviation_still_holds_complexhalf_pow_raises(method):
 # [docs:end EXCLUSION_CHECK_COMPLEXHALF_POW]
 
 
+def test_excluded_deviation_still_holds_int4_packing_is_cudas():
+    """TEST_EXCLUSIONS['TestLinalg']['test__int4_mm'] and ['test_compile_int4_mm']: on a device
+    that is not the CPU they pack with _convert_weight_to_int4pack, CUDA's operator, which has no
+    CPU kernel for openreg to run. The day openreg packs with it, this fails and the entries
+    must go."""
+    assert {"test__int4_mm", "test_compile_int4_mm"} <= set(testing.TEST_EXCLUSIONS["TestLinalg"])
+    w = torch.randint(0, 16, (64, 32), dtype=torch.int32)
+    for device in ("cpu", "openreg"):  # the CPU has no kernel either: the op is CUDA's
+        with pytest.raises(NotImplementedError, match="_convert_weight_to_int4pack"):
+            torch._convert_weight_to_int4pack(w.to(device), 2)
+    # the CPU's packing, which the test uses on the CPU, runs on openreg with the CPU's result
+    packed = torch._convert_weight_to_int4pack_for_cpu(w, 2)
+    assert torch.equal(torch._convert_weight_to_int4pack_for_cpu(w.to("openreg"), 2).cpu(), packed)
+
+
+def test_excluded_deviation_still_holds_lstsq_driver_error_is_the_cpus():
+    """TEST_EXCLUSIONS['TestLinalg']['test_linalg_lstsq_input_checks']: an unknown lstsq driver
+    raises the CPU's message on openreg (all four drivers exist), where the test expects CUDA's
+    "other than `gels` is not supported". The day openreg raises CUDA's, this fails."""
+    assert "test_linalg_lstsq_input_checks" in testing.TEST_EXCLUSIONS["TestLinalg"]
+    a, b = torch.rand(2, 2, 2, 2), torch.rand(2, 2, 2)
+    for device in ("cpu", "openreg"):
+        with pytest.raises(RuntimeError, match=r"should be one of \(gels, gelsy, gelsd, gelss\)"):
+            torch.linalg.lstsq(a.to(device), b.to(device), driver="fictitious_driver")
+
+
 def test_exclusion_config_leaves_out_only_the_listed_dtypes():
     config = testing.exclusion_config()["TestBinaryUfuncs"]
     assert config["test_fmod_remainder_by_zero_integral"] == "*"

@@ -101,6 +101,21 @@ TEST_EXCLUSIONS: dict[str, dict[str, str]] = {
             "NotImplementedError as on the CPU (openreg runs the CPU's kernel); the test expects "
             "the error on the CPU only",
     },
+    "TestLinalg": {
+        "test__int4_mm":
+            "on any device that is not the CPU the test packs int4 weights with CUDA's "
+            "_convert_weight_to_int4pack, which has no CPU kernel: it raises NotImplementedError "
+            "on openreg as on the CPU (the CPU's packing, _convert_weight_to_int4pack_for_cpu, "
+            "is what openreg runs)",
+        "test_compile_int4_mm":
+            "the compiled form of test__int4_mm: CUDA's _convert_weight_to_int4pack on any "
+            "device that is not the CPU, which has no CPU kernel (NotImplementedError on openreg "
+            "as on the CPU)",
+        "test_linalg_lstsq_input_checks":
+            "linalg.lstsq with an unknown driver raises the CPU's message (openreg runs the "
+            "CPU's kernel, which has all four drivers); the test expects CUDA's \"`driver` other "
+            "than `gels` is not supported on CUDA\" on any device that is not the CPU",
+    },
 }
 # Entries that leave out only some dtypes of a method (the other dtypes run): class -> method ->
 # dtypes. torch 2.14 and later read this; torch 2.13 leaves out the whole method (see
