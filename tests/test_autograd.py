@@ -726,6 +726,23 @@ def test_autograd_function_non_differentiable_output(device):
     torch.testing.assert_close(x.grad.cpu(), expected)
 
 
+
+def test_copy_into_a_lower_precision_tensor_is_differentiable(device):
+    """copy_ from a tensor that requires grad into a float16 or bfloat16 one (copy_ is written by
+    hand, not generated), and .to(bfloat16), give results that require grad and pass the
+    gradient back. PyTorch's test_autograd.py checks it on the CPU only (test_copy_, @onlyCPU;
+    docs/test_suites.md)."""
+    x = leaf(10, device=device, dtype=torch.float32)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x.grad = None
+        y = torch.empty(10, device=device, dtype=dtype)
+        y.copy_(x)
+        assert y.requires_grad and y.grad_fn is not None, dtype
+        (y.float() * 2).sum().backward()
+        torch.testing.assert_close(x.grad.cpu(), torch.full((10,), 2.0))
+    z = x.to(torch.bfloat16)
+    assert z.requires_grad and z.dtype == torch.bfloat16 and z.device == device
+
 # --- gradcheck in float64 -----------------------------------------------------------------------
 # Each case: (inputs factory, function). gradcheck compares the analytical gradients that the
 # backward kernels compute on openreg with finite differences computed on openreg.

@@ -191,6 +191,37 @@ def test_reduce_overhead_cudagraphs_are_cuda_only():
 # [docs:end GAP_REDUCE_OVERHEAD]
 
 
+# [docs:start GAP_DATA_PARALLEL]
+def test_data_parallel_takes_privateuse1_but_copies_with_cuda():
+    """DataParallel takes the PrivateUse1 backend and all its devices when no CUDA is there
+    (torch._utils._get_available_device_type knows the backend), but scatters and broadcasts
+    with torch.nn.parallel.comm, whose torch._C._scatter, _broadcast and _broadcast_coalesced
+    are CUDA's. The same in torch 2.13, 2.14 and 2.15. PyTorch's test_autograd.py
+    test_unused_output_device (DataParallel's Broadcast on any device with two) is excluded from
+    openreg's test base for it."""
+    from torch._utils import _get_available_device_type
+    from torch.nn.parallel import comm
+    from torch_openreg.testing import TEST_EXCLUSIONS
+
+    assert "test_unused_output_device" in TEST_EXCLUSIONS["TestAutogradDeviceType"]
+    assert _get_available_device_type() == "openreg"
+    model = torch.nn.DataParallel(torch.nn.Linear(3, 2).to("openreg"))
+    assert (model.device_ids, model.src_device_obj) == ([0, 1], torch.device("openreg", 0))
+    x = torch.randn(4, 3, device="openreg")
+    for name, copy in (("DataParallel", lambda: model(x)),
+                       ("broadcast_coalesced", lambda: comm.broadcast_coalesced([x], [0, 1])),
+                       ("broadcast", lambda: comm.broadcast(x, [0, 1]))):
+        try:
+            out = copy()
+        except RuntimeError as e:  # torch.AcceleratorError is one
+            assert "CUDA" in str(e) or "NVIDIA" in str(e), f"{name}: {e}"
+        else:  # where a CUDA device is there, the copies land on it
+            types = {t.device.type for t in torch.utils._pytree.tree_leaves(out)}
+            assert "openreg" not in types, (CLOSED + f"{name} copies to openreg; remove the "
+                                             "exclusion of test_unused_output_device too")
+# [docs:end GAP_DATA_PARALLEL]
+
+
 def _diffusers_test_file(relative):
     """diffusers' test files are in neither its wheel nor its source distribution on PyPI: read
     them from a clone named by OPENREG_DIFFUSERS_CLONE (the one tools/library_suites.py ran),

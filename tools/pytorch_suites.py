@@ -69,6 +69,8 @@ SELECTION: dict[str, list[tuple[str, dict[str, list[str]], str, int]]] = {
     ],
     "test_torch.py": [("all", {"TestTorchDeviceType": ["float32", "int64", "none"]}, "", 1)],
     "test_nn.py": [("all", {"TestNNDeviceType": ["float32", "none"]}, "", 1)],
+    # All of TestAutogradDeviceType, every dtype its tests name (float32, float64, complex128,
+    # int8 to int64): 70 tests, 76-88 s per device (2026-12-02, load about 20), no sampling.
     "test_autograd.py": [("all", {"TestAutogradDeviceType": ["*"]}, "", 1)],
     # TestLinalg float32 and dtype-less: 581 of its 1,261 tests, all of them (one test in 2 ran
     # in 200 s per device at load 15-18 on 2026-12-02, so no sample is needed).
