@@ -382,3 +382,74 @@ def test_pytorch_suites_comparison_pairs_tests_across_devices(tmp_path, monkeypa
     assert "passed on the CPU and failed on openreg: 1" in out
     assert "1 x RuntimeError: Expected all tensors to be on DEV" in out
     assert "TestCommon::test_out_cos_DEVICE_float32" in out
+
+
+def test_pytorch_suites_comparison_gives_each_devices_time(tmp_path, monkeypatch, capsys):
+    """The comparison gives the time each device took for the same selection (issue 41's
+    measurement of test_optim.py): the sum of the JUnit testcases' times and pytest's session
+    time, and openreg's over the CPU's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import pytorch_suites
+
+    for device, cls, times, session in (("cpu", "TestOptimRenewedCPU", (1.5, 2.5), 5.0),
+                                        ("openreg", "TestOptimRenewedPRIVATEUSE1", (2.0, 4.0), 7.5)):
+        body = "".join(f'<testcase classname="test_optim.{cls}" name="test_{i}_{device}_float32" '
+                       f'time="{t}"/>' for i, t in enumerate(times))
+        (tmp_path / f"test_optim-all-{device}.xml").write_text(
+            f'<testsuites><testsuite time="{session}">{body}</testsuite></testsuites>')
+    monkeypatch.setattr(pytorch_suites, "OUT", tmp_path)
+    monkeypatch.setitem(pytorch_suites.SELECTION, "test_optim.py", [("all", {}, "", 1)])
+    pytorch_suites.compare(["test_optim.py"])
+    out = capsys.readouterr().out
+    assert "test time (sum of testcases): cpu 4.0 s, openreg 6.0 s, openreg / cpu 1.50x" in out
+    assert "wall time (pytest session): cpu 5.0 s, openreg 7.5 s, openreg / cpu 1.50x" in out
+
+
+def test_pytorch_suites_plugin_stands_in_for_missing_sibling_modules(tmp_path, monkeypatch):
+    """A module the test file imports from beside it gets an empty stand-in defining the named
+    classes when the folder lacks it (test_optim.py without test/optim/), and the real module
+    is used when it is there."""
+    import sys
+    import unittest
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import pytorch_suites_plugin
+
+    (tmp_path / "present_pkg").mkdir()
+    (tmp_path / "present_pkg" / "real.py").write_text("class TestReal:\n    origin = 'file'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OPENREG_PT_STANDINS", json.dumps(
+        {"absent_pkg_41.test_mod": ["TestA", "TestB"], "present_pkg.real": ["TestReal"]}))
+    for name in ("absent_pkg_41", "absent_pkg_41.test_mod", "present_pkg", "present_pkg.real"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    pytorch_suites_plugin._standins_shim()
+    from absent_pkg_41.test_mod import TestA, TestB  # noqa: F401
+    assert issubclass(TestA, unittest.TestCase)
+    assert unittest.TestLoader().loadTestsFromTestCase(TestA).countTestCases() == 0
+    from present_pkg.real import TestReal
+    assert TestReal.origin == "file"
+    for name in ("absent_pkg_41", "absent_pkg_41.test_mod"):
+        sys.modules.pop(name, None)
+
+
+def test_pytorch_suites_plugin_cpu_configs_gives_openreg_the_cpus_optimizer_configs(monkeypatch):
+    """PyTorch's optimizer-test helper gives openreg (foreach kernels) a foreach twin of each
+    configuration the CPU does not get: OPENREG_PT_CPU_CONFIGS=1 gives every device the CPU's
+    list, so that test_optim's times compare the same work."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import pytorch_suites_plugin
+    from torch.testing._internal import common_optimizers as co
+
+    rmsprop = next(o for o in co.optim_db if o.optim_cls.__name__ == "RMSprop")
+    helper = co._get_optim_inputs_including_global_cliquey_kwargs
+    cpu = [i.kwargs for i in helper("cpu", torch.float32, rmsprop)]
+    assert len([i.kwargs for i in helper("openreg", torch.float32, rmsprop)]) > len(cpu)
+    monkeypatch.setattr(co, "_get_optim_inputs_including_global_cliquey_kwargs", helper)
+    monkeypatch.setenv("OPENREG_PT_CPU_CONFIGS", "1")
+    pytorch_suites_plugin._cpu_configs()
+    now = co._get_optim_inputs_including_global_cliquey_kwargs
+    assert [i.kwargs for i in now("openreg", torch.float32, rmsprop)] == cpu
