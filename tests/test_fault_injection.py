@@ -256,6 +256,35 @@ def test_kernel_error_in_the_asynchronous_mode():
     faults.reset_device(0)
 
 
+@pytest.mark.parametrize("op,call,route,expected", [
+    # relu has no C++ meta kernel: from the second call of a signature the asynchronous mode
+    # queues it, its outputs made from what the first call showed (docs/async_mode.md).
+    ("relu", lambda x, w: x.relu(), "queued", "aten::relu"),
+    ("aten::relu", lambda x, w: x[:, :2].relu(), "synchronous", "aten::relu"),  # a first call
+    # A kernel queued inside a composite operator matches either name.
+    ("linear", lambda x, w: torch.nn.functional.linear(x, w), "queued", "aten::linear"),
+    ("addmm", lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]), "queued", "aten::addmm"),
+])
+def test_kernel_error_by_name_in_the_asynchronous_mode_names_the_kernel(op, call, route,
+                                                                        expected):
+    from torch_openreg import async_mode
+
+    x = torch.randn(7, 5, device="openreg:0")
+    w = torch.randn(5, 5, device="openreg:0")
+    with torch.openreg.set_async(True):
+        if route == "queued":
+            call(x, w)  # the first call of the signature runs synchronously
+            torch.openreg.synchronize(0)
+        before = async_mode.counts()
+        with faults.kernel_error(op=op, device=0):
+            y = call(x, w)
+        after = async_mode.counts()
+        with pytest.raises(torch.AcceleratorError, match=f"in kernel {expected} launched"):
+            y.sum().item()
+    assert after[route] == before[route] + 1  # the route the call took
+    faults.reset_device(0)
+
+
 def test_kernel_error_arguments_are_checked():
     with pytest.raises(ValueError, match="kind"):
         faults.kernel_error(kind="segfault").arm()
