@@ -202,7 +202,9 @@ def run(name, fn):
         report[name] = {"raised": None, "value": fn()}
     except Exception as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" in f.filename]
-        site = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else None
+        site = None
+        if frames:
+            site = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}"
         report[name] = {"raised": type(e).__name__, "message": str(e).splitlines()[0], "site": site}
 
 def train(model, batches, steps=2):
@@ -236,7 +238,8 @@ try:
         max_position_embeddings=32)), batch))
     from transformers.models.rt_detr.modeling_rt_detr import RTDetrSinePositionEmbedding
     run("rt_detr_position_embedding",
-        lambda: str(RTDetrSinePositionEmbedding(16)(4, 4, torch.device("openreg"), torch.float32).dtype))
+        lambda: str(RTDetrSinePositionEmbedding(16)(4, 4, torch.device("openreg"),
+                                                    torch.float32).dtype))
 except ImportError:
     pass
 
@@ -312,7 +315,8 @@ def test_models_train_under_the_mps_profile(libraries_mps, library, name):
 # (docs/device_profiles.md, "What the profile found"). Each test fails when the library stops
 # doing it, and the catalogue's entry can go.
 LIBRARY_ASSUMPTIONS = {
-    "rt_detr_position_embedding": ("transformers", "transformers/models/rt_detr/modeling_rt_detr.py"),
+    "rt_detr_position_embedding": ("transformers",
+                                   "transformers/models/rt_detr/modeling_rt_detr.py"),
     "unet_float_timestep": ("diffusers", "diffusers/models/unets/unet_2d_condition.py"),
 }
 
