@@ -1,6 +1,6 @@
 """Trains a small MLP with DistributedDataParallel on openreg devices, one device per rank.
 
-    torchrun --nproc-per-node 2 examples/ddp.py [--steps 100]
+    torchrun --nproc-per-node 2 examples/ddp.py [--steps 100] [--timeout SECONDS]
 
 torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the process group, made
 without a backend name as on CUDA, gets the `occl` backend for openreg tensors and gloo for CPU
@@ -9,6 +9,7 @@ rank trains on its own shard of a synthetic regression problem; DDP averages the
 """
 
 import argparse
+import datetime
 import os
 
 import torch
@@ -21,12 +22,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds a collective may wait for the other ranks (default: torch's)")
     args = parser.parse_args()
 
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("openreg", local_rank % torch.openreg.device_count())
     torch.openreg.set_device(device)
-    dist.init_process_group(device_id=device)  # "cpu:gloo,openreg:occl"
+    # "cpu:gloo,openreg:occl". With a timeout, a rank whose peer is stuck fails instead of
+    # waiting forever, and torchrun ends the job (docs/fault_injection.md).
+    timeout = None if args.timeout is None else datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group(device_id=device, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     print(f"rank {rank}/{world} on {device}", flush=True)
 

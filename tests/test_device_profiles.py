@@ -187,3 +187,158 @@ def test_api_in_this_process_without_profile():
         assert torch.openreg.is_bf16_supported()
     with pytest.raises(ValueError, match="unknown device profile"):
         torch.openreg.set_device_profile("no-such-dtype-xyz")
+
+
+# ---------------------------------------------------------------- libraries under the mps profile
+# Tiny models built from configs (no download), a few optimizer steps each, in one subprocess under
+# OPENREG_DEVICE_PROFILE=mps; then the call sites where installed libraries create float64 device
+# tensors on any device not named "mps" (the catalogue in docs/device_profiles.md).
+LIBRARY_RUNS = r'''
+import json, traceback, torch
+import torch.nn.functional as F
+report = {}
+def run(name, fn):
+    try:
+        report[name] = {"raised": None, "value": fn()}
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "site-packages" in f.filename]
+        site = None
+        if frames:
+            site = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}"
+        report[name] = {"raised": type(e).__name__, "message": str(e).splitlines()[0], "site": site}
+
+def train(model, batches, steps=2):
+    model = model.to("openreg").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batches)
+        loss = loss if torch.is_tensor(loss) else loss.loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+try:
+    import transformers
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    report["transformers"] = transformers.__version__
+    ids = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to("openreg")
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": mask.to("openreg")}
+    torch.manual_seed(0)
+    run("gpt2", lambda: train(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32,
+        n_layer=2, n_head=2)), batch))
+    torch.manual_seed(0)
+    run("bert", lambda: train(BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32,
+        num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32)), batch))
+    from transformers.models.rt_detr.modeling_rt_detr import RTDetrSinePositionEmbedding
+    run("rt_detr_position_embedding",
+        lambda: str(RTDetrSinePositionEmbedding(16)(4, 4, torch.device("openreg"),
+                                                    torch.float32).dtype))
+except ImportError:
+    pass
+
+try:
+    import torchvision
+    from torchvision.models import resnet18
+    report["torchvision"] = torchvision.__version__
+    def construct_on_device():  # weights=None: initialised by torch.nn.init on the device
+        with torch.device("openreg"):
+            return str(next(resnet18(weights=None, num_classes=10).parameters()).device)
+    run("resnet18_construct", construct_on_device)
+    class Classify(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = resnet18(weights=None, num_classes=10)
+        def forward(self, x, y):
+            return F.cross_entropy(self.net(x), y)
+    x, y = torch.randn(2, 3, 32, 32).to("openreg"), torch.tensor([1, 3]).to("openreg")
+    run("resnet18", lambda: train(Classify(), {"x": x, "y": y}))
+except ImportError:
+    pass
+
+try:
+    import diffusers
+    from diffusers import UNet2DConditionModel
+    report["diffusers"] = diffusers.__version__
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8).to("openreg")
+    sample, context = torch.randn(1, 4, 8, 8).to("openreg"), torch.randn(1, 3, 32).to("openreg")
+    run("unet_int_timestep", lambda: list(unet(sample, 10, context).sample.shape))
+    run("unet_float_timestep", lambda: list(unet(sample, 10.5, context).sample.shape))
+except ImportError:
+    pass
+print("REPORT" + json.dumps(report))
+'''
+
+
+@pytest.fixture(scope="module")
+def libraries_mps():
+    env = dict(os.environ, OPENREG_DEVICE_PROFILE="mps", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error")
+    result = subprocess.run([sys.executable, "-c", LIBRARY_RUNS], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("REPORT"))
+    return json.loads(line[len("REPORT"):])
+
+
+def library_run(report, library, name):
+    if library not in report:
+        pytest.skip(f"{library} is not installed")
+    return report[name]
+
+
+@pytest.mark.parametrize("library,name", [("transformers", "gpt2"), ("transformers", "bert"),
+                                          ("torchvision", "resnet18_construct"),
+                                          ("torchvision", "resnet18"),
+                                          ("diffusers", "unet_int_timestep")])
+def test_models_train_under_the_mps_profile(libraries_mps, library, name):
+    """GPT-2 and BERT (AdamW, gradient clipping, an attention mask), resnet18 (built on the device,
+    trained) need no float64 on the device: openreg under the profile refuses nothing here."""
+    outcome = library_run(libraries_mps, library, name)
+    assert outcome["raised"] is None, outcome
+    if name in ("gpt2", "bert", "resnet18"):
+        assert outcome["value"][-1] < outcome["value"][0], outcome
+
+
+# The library call sites that create float64 device tensors unless the device is named "mps"
+# (docs/device_profiles.md, "What the profile found"). Each test fails when the library stops
+# doing it, and the catalogue's entry can go.
+LIBRARY_ASSUMPTIONS = {
+    "rt_detr_position_embedding": ("transformers",
+                                   "transformers/models/rt_detr/modeling_rt_detr.py"),
+    "unet_float_timestep": ("diffusers", "diffusers/models/unets/unet_2d_condition.py"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIBRARY_ASSUMPTIONS))
+def test_library_float64_assumption_is_still_there(libraries_mps, name):
+    library, path = LIBRARY_ASSUMPTIONS[name]
+    outcome = library_run(libraries_mps, library, name)
+    assert outcome["raised"] == "TypeError", outcome
+    assert "float64" in outcome["message"] and "'mps'" in outcome["message"], outcome
+    assert outcome["site"].startswith(path), outcome
+
+
+def test_library_float64_assumptions_key_on_the_device_name():
+    """Without a profile the same calls work on openreg, and the libraries choose float32 for a
+    device named mps: what makes them pass on MPS and fail on another device without float64."""
+    pytest.importorskip("transformers")
+    from transformers.models.rt_detr import modeling_rt_detr
+    emb = modeling_rt_detr.build_2d_sinusoidal_position_embedding
+    if not torch.openreg.get_device_profile():
+        assert emb(2, 2, 8, device=torch.device("openreg")).device.type == "openreg"
+    diffusers_utils = pytest.importorskip("diffusers.utils.torch_utils")
+    adjust = diffusers_utils.maybe_adjust_dtype_for_device
+    assert adjust(torch.float64, torch.device("openreg")) is torch.float64
+    assert adjust(torch.float64, torch.device("mps")) is torch.float32

@@ -256,6 +256,35 @@ def test_kernel_error_in_the_asynchronous_mode():
     faults.reset_device(0)
 
 
+@pytest.mark.parametrize("op,call,route,expected", [
+    # relu has no C++ meta kernel: from the second call of a signature the asynchronous mode
+    # queues it, its outputs made from what the first call showed (docs/async_mode.md).
+    ("relu", lambda x, w: x.relu(), "queued", "aten::relu"),
+    ("aten::relu", lambda x, w: x[:, :2].relu(), "synchronous", "aten::relu"),  # a first call
+    # A kernel queued inside a composite operator matches either name.
+    ("linear", lambda x, w: torch.nn.functional.linear(x, w), "queued", "aten::linear"),
+    ("addmm", lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]), "queued", "aten::addmm"),
+])
+def test_kernel_error_by_name_in_the_asynchronous_mode_names_the_kernel(op, call, route,
+                                                                        expected):
+    from torch_openreg import async_mode
+
+    x = torch.randn(7, 5, device="openreg:0")
+    w = torch.randn(5, 5, device="openreg:0")
+    with torch.openreg.set_async(True):
+        if route == "queued":
+            call(x, w)  # the first call of the signature runs synchronously
+            torch.openreg.synchronize(0)
+        before = async_mode.counts()
+        with faults.kernel_error(op=op, device=0):
+            y = call(x, w)
+        after = async_mode.counts()
+        with pytest.raises(torch.AcceleratorError, match=f"in kernel {expected} launched"):
+            y.sum().item()
+    assert after[route] == before[route] + 1  # the route the call took
+    faults.reset_device(0)
+
+
 def test_kernel_error_arguments_are_checked():
     with pytest.raises(ValueError, match="kind"):
         faults.kernel_error(kind="segfault").arm()
@@ -361,6 +390,49 @@ def test_a_rank_that_exits_makes_its_peer_fail():
     assert outcome == "error", result
     assert seconds < 10.0 + 15, seconds
     assert still_running == [False, False] and codes[1] == 1
+
+
+def run_torchrun_ddp(faults_env):
+    """examples/ddp.py under torchrun, two ranks on openreg:0 and openreg:1 (occl), with a
+    10-second group timeout. Returns the return code and the job's output."""
+    from test_distributed import JOB_TIMEOUT, ROOT, _free_port
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OPENREG_FAULTS=faults_env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           os.path.join(ROOT, "examples", "ddp.py"), "--steps", "5", "--timeout", "10"]
+    # The bound: a job that hangs fails the test here (TimeoutExpired) instead of hanging it.
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_torchrun_ddp_job_with_a_stuck_rank_ends_with_the_timeout_error():
+    """Rank 1's fifth occl collective (DDP's bucket rebuild at the second step) never completes:
+    rank 0 gets gloo's timeout error after the group's 10 s, exits non-zero, and torchrun ends
+    the stuck rank (SIGTERM) and the job. Without the fault the same job finishes."""
+    code, output = run_torchrun_ddp("collective_hang:nth=5,rank=1")
+    assert code != 0, output[-3000:]
+    assert "this rank hangs" in output and "occl collective #5" in output, output[-3000:]
+    assert "[rank0]: RuntimeError" in output, output[-3000:]
+    assert "Timed out waiting 10000ms" in output, output[-3000:]
+    assert "rank      : 1 (local_rank: 1)" in output and "(SIGTERM)" in output, output[-3000:]
+    assert "replicas identical" not in output
+
+    code, output = run_torchrun_ddp("")
+    assert code == 0, output[-3000:]
+    assert "replicas identical: True" in output
+
+
+def test_environment_faults_for_one_rank(monkeypatch):
+    """torchrun gives every rank one environment: rank=R keeps a fault for the rank whose RANK
+    is R (the test above uses it)."""
+    text = "collective_hang:nth=3,rank=1;oom:nth=2"
+    for rank, kinds in (("1", ["collective_hang", "oom"]), ("0", ["oom"])):
+        monkeypatch.setenv("RANK", rank)
+        assert [type(f).__name__ for f in faults._parse_environment(text)] == kinds
+    monkeypatch.delenv("RANK")
+    assert [type(f).__name__ for f in faults._parse_environment(text)] == ["oom"]
 
 
 def test_collective_fault_arguments_are_checked():

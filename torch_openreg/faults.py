@@ -178,7 +178,10 @@ def device_error(device: Any = None) -> str | None:
 # [docs:start FAULTS_ENV]
 def _parse_environment(text: str) -> list:
     """``OPENREG_FAULTS``: faults separated by ";", each ``kind:key=value,key=value`` with the
-    arguments of ``oom`` or ``kernel_error`` ("oom:min_bytes=1e9,times=none;kernel_error:op=mm")."""
+    arguments of ``oom``, ``kernel_error``, ``collective_hang`` or ``rank_exit``
+    ("oom:min_bytes=1e9,times=none;kernel_error:op=mm"). ``rank=R`` keeps a fault for the process
+    whose ``RANK`` environment variable (set by torchrun) is R: every rank of a job shares one
+    environment ("collective_hang:nth=3,rank=1")."""
     faults: list = []
     for spec in (s.strip() for s in text.split(";")):
         if not spec:
@@ -190,6 +193,7 @@ def _parse_environment(text: str) -> list:
             raise ValueError(f"{_ENV}: unknown fault {kind!r} in {spec!r} (oom, kernel_error, "
                              "collective_hang or rank_exit)")
         kwargs: dict[str, Any] = {}
+        rank = None
         for item in (a.strip() for a in args.split(",")):
             if not item:
                 continue
@@ -198,7 +202,9 @@ def _parse_environment(text: str) -> list:
                 raise ValueError(f"{_ENV}: expected key=value, got {item!r} in {spec!r}")
             key = key.strip()
             value = value.strip()
-            if key in ("op", "kind"):
+            if key == "rank":  # only in the process of that rank (RANK, set by torchrun)
+                rank = int(value)
+            elif key in ("op", "kind"):
                 kwargs[key] = value
             elif key == "device":
                 kwargs[key] = value if ":" in value else int(value)
@@ -207,9 +213,11 @@ def _parse_environment(text: str) -> list:
             else:
                 kwargs[key] = int(float(value))
         try:
-            faults.append(factory(**kwargs))
+            fault = factory(**kwargs)
         except TypeError as e:
             raise ValueError(f"{_ENV}: {e} in {spec!r}") from None
+        if rank is None or os.environ.get("RANK") == str(rank):
+            faults.append(fault)
     return faults
 
 
