@@ -410,7 +410,8 @@ def run_torchrun_ddp(faults_env):
 def test_torchrun_ddp_job_with_a_stuck_rank_ends_with_the_timeout_error():
     """Rank 1's fifth occl collective (DDP's bucket rebuild at the second step) never completes:
     rank 0 gets gloo's timeout error after the group's 10 s, exits non-zero, and torchrun ends
-    the stuck rank (SIGTERM) and the job. Without the fault the same job finishes."""
+    the stuck rank (SIGTERM) and the job. Without the fault the same job finishes: that half is
+    tests/test_distributed.py::test_torchrun_example (same script, no fault)."""
     code, output = run_torchrun_ddp("collective_hang:nth=5,rank=1")
     assert code != 0, output[-3000:]
     assert "this rank hangs" in output and "occl collective #5" in output, output[-3000:]
@@ -418,10 +419,6 @@ def test_torchrun_ddp_job_with_a_stuck_rank_ends_with_the_timeout_error():
     assert "Timed out waiting 10000ms" in output, output[-3000:]
     assert "rank      : 1 (local_rank: 1)" in output and "(SIGTERM)" in output, output[-3000:]
     assert "replicas identical" not in output
-
-    code, output = run_torchrun_ddp("")
-    assert code == 0, output[-3000:]
-    assert "replicas identical: True" in output
 
 
 def test_environment_faults_for_one_rank(monkeypatch):
