@@ -314,3 +314,20 @@ def test_privateuse1_convolution_layout_is_predicted_nchw():
     assert (fmt, strides) == (torch.contiguous_format, (144, 36, 6, 1)), \
         CLOSED + f"{backend} predicts {fmt}, strides {strides}"
 # [docs:end GAP_CONVOLUTION_LAYOUT]
+
+
+# [docs:start GAP_TENSOR_MAP]
+@pytest.mark.parametrize("method", ["map_", "map2_"])
+def test_tensor_map_is_cpu_only(method):
+    """Tensor.map_ and map2_ (Python callables applied elementwise) run on CPU tensors only, for
+    every other device alike; PyTorch's test_torch.py test_broadcast skips them for CUDA
+    (`small.is_cuda`) only, so its fn=map and fn=map2 variants fail on any other device."""
+    x = torch.ones(3, device="openreg")
+    args = (x, x, lambda a, b, c: a + b + c) if method == "map2_" else (x, lambda a, b: a + b)
+    try:
+        getattr(torch.ones(3, device="openreg"), method)(*args)
+    except TypeError as e:
+        assert f"{method} is only implemented on CPU tensors" in str(e)
+    else:
+        pytest.fail(CLOSED + f"Tensor.{method} runs on openreg")
+# [docs:end GAP_TENSOR_MAP]

@@ -338,6 +338,39 @@ def test_excluded_deviation_still_holds_lstsq_driver_error_is_the_cpus():
             torch.linalg.lstsq(a.to(device), b.to(device), driver="fictitious_driver")
 
 
+def test_excluded_deviation_still_holds_storage_type_is_the_backends():
+    """TEST_EXCLUSIONS['TestTorchDeviceType']['test_tensor_storage_type']: openreg's typed storage
+    class is torch.openreg's, as CUDA's is torch.cuda's; the test expects the CPU's."""
+    assert "test_tensor_storage_type" in testing.TEST_EXCLUSIONS["TestTorchDeviceType"]
+    for dtype, name in ((torch.float32, "FloatStorage"), (torch.int64, "LongStorage")):
+        t = torch.ones(2, dtype=dtype, device="openreg")
+        assert t.storage_type() is getattr(torch.openreg, name)
+        assert t.storage_type() is not getattr(torch, name)
+
+
+def test_excluded_deviation_still_holds_grad_scale_is_not_a_cpu_float_tensor():
+    """TEST_EXCLUSIONS['TestTorchDeviceType']['test_grad_scaling_state_dict']: GradScaler's scale
+    on openreg is an openreg tensor, not an instance of the CPU's legacy torch.FloatTensor."""
+    assert "test_grad_scaling_state_dict" in testing.TEST_EXCLUSIONS["TestTorchDeviceType"]
+    scaler = torch.GradScaler(device="openreg", init_scale=6.0)
+    scaler.scale(torch.full((1,), 4.0, device="openreg"))
+    assert scaler._scale.device.type == "openreg"
+    assert scaler._scale.type() == "torch.openreg.FloatTensor"
+    assert not isinstance(scaler._scale, torch.FloatTensor)
+
+
+def test_excluded_deviation_still_holds_cpu_grad_scaler_warning_names_the_cpu():
+    """TEST_EXCLUSIONS['TestTorchDeviceType']['test_grad_scaler_deprecated_warning']: the test
+    builds torch.cpu.amp.GradScaler on every device but CUDA; its warning names the CPU's class,
+    not torch.openreg.amp.GradScaler as the test expects."""
+    assert "test_grad_scaler_deprecated_warning" in testing.TEST_EXCLUSIONS["TestTorchDeviceType"]
+    with pytest.warns(FutureWarning) as record:
+        torch.cpu.amp.GradScaler(init_scale=2.0)
+    messages = " ".join(str(w.message) for w in record)
+    assert "`torch.cpu.amp.GradScaler(args...)` is deprecated" in messages
+    assert "torch.openreg.amp.GradScaler" not in messages
+
+
 def test_exclusion_config_leaves_out_only_the_listed_dtypes():
     config = testing.exclusion_config()["TestBinaryUfuncs"]
     assert config["test_fmod_remainder_by_zero_integral"] == "*"

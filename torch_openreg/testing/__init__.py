@@ -124,6 +124,23 @@ TEST_EXCLUSIONS: dict[str, dict[str, str]] = {
             "(torch.nn.parallel._functions), whose copy, torch._C._broadcast_coalesced, is CUDA's, "
             "on any device with two; a gap of torch, in docs/privateuse1_gaps.md (DataParallel)",
     },
+    # test_torch.py: tests that know two devices, the CPU and CUDA, and expect the CPU's legacy
+    # types (or the CPU's deprecated GradScaler) on every device that is not CUDA.
+    "TestTorchDeviceType": {
+        "test_tensor_storage_type":
+            "an openreg tensor's storage_type() is torch.openreg.<T>Storage, as a CUDA tensor's "
+            "is torch.cuda.<T>Storage (the typed storage classes torch registers for the "
+            "backend); the test expects torch.cuda's on CUDA and the CPU's torch.<T>Storage on "
+            "any other device",
+        "test_grad_scaling_state_dict":
+            "GradScaler's scale on openreg is an openreg tensor, of legacy type "
+            "torch.openreg.FloatTensor; the test expects torch.cuda.FloatTensor on CUDA and the "
+            "CPU's torch.FloatTensor on any other device",
+        "test_grad_scaler_deprecated_warning":
+            "the test builds torch.cpu.amp.GradScaler for every device that is not CUDA and "
+            "expects its warning to name torch.<device>.amp.GradScaler: it names "
+            "torch.cpu.amp.GradScaler, whatever the device",
+    },
 }
 # Entries that leave out only some dtypes of a method (the other dtypes run): class -> method ->
 # dtypes. torch 2.14 and later read this; torch 2.13 leaves out the whole method (see
