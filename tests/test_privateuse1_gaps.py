@@ -331,3 +331,29 @@ def test_tensor_map_is_cpu_only(method):
     else:
         pytest.fail(CLOSED + f"Tensor.{method} runs on openreg")
 # [docs:end GAP_TENSOR_MAP]
+
+
+# [docs:start GAP_LARGE_TENSOR_TEST]
+def test_large_tensor_test_skips_privateuse1_devices():
+    """torch.testing's `largeTensorTest` asks each device for its free memory and knows cuda,
+    xpu, mtia, the CPU and mps: on any other device the test is skipped, however small its
+    need (test_nn.py's test_ReplicationPad3d_large, test_grid_sample_large_index_2d/_3d)."""
+    import unittest
+    from torch.testing._internal.common_device_type import largeTensorTest
+
+    class Probe:
+        def __init__(self, device):
+            self.device = device  # what a device-generic test class carries
+
+        @largeTensorTest(1024)  # bytes
+        def test(self):
+            return "ran"
+
+    assert Probe("cpu").test() == "ran"
+    try:
+        Probe("openreg").test()
+    except unittest.SkipTest as e:
+        assert "Unknown device type" in str(e)
+    else:
+        pytest.fail(CLOSED + "largeTensorTest runs on openreg")
+# [docs:end GAP_LARGE_TENSOR_TEST]

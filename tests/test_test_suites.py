@@ -371,6 +371,59 @@ def test_excluded_deviation_still_holds_cpu_grad_scaler_warning_names_the_cpu():
     assert "torch.openreg.amp.GradScaler" not in messages
 
 
+@pytest.mark.parametrize("method", ["test_linear_cross_entropy_loss_default",
+                                    "test_linear_cross_entropy_loss_prob_target_none_reduction"])
+def test_excluded_deviation_still_holds_linear_cross_entropy_gives_the_cpus_results(method):
+    """TEST_EXCLUSIONS['TestNNDeviceType'][method]: the test's ULP caps for a device that is not
+    the CPU are CUDA's, and openreg gives the CPU's results (the CPU's kernels), bit for bit,
+    chunked forward and backward. The day openreg computes them otherwise, this fails and the
+    entry must be looked at again."""
+    assert method in testing.TEST_EXCLUSIONS["TestNNDeviceType"]
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=4)
+    reduction = "none" if "none_reduction" in method else "mean"
+    results = []
+    for device in ("cpu", "openreg"):
+        torch.manual_seed(0)
+        inp = torch.randn(13, 7).to(device).requires_grad_()
+        weight = torch.randn(11, 7).to(device).requires_grad_()
+        if "prob_target" in method:
+            target = torch.softmax(torch.randn(13, 11), dim=1).to(device)
+        else:
+            target = torch.randint(0, 11, (13,)).to(device)
+        out = torch.nn.functional.linear_cross_entropy(inp, weight, target, reduction=reduction,
+                                                       options=options)
+        out.sum().backward()
+        results.append([t.detach().cpu() for t in (out, inp.grad, weight.grad)])
+    for cpu, ore in zip(*results):
+        assert torch.equal(cpu, ore)
+
+
+def test_excluded_deviation_still_holds_transformer_fast_path_on_privateuse1():
+    """TEST_EXCLUSIONS['TestNNDeviceType']['test_transformerencoderlayer']: the test expects the
+    fast path's NaN for a fully masked row only when ``result.is_cuda or result.is_cpu``;
+    nn.TransformerEncoderLayer takes the fast path on the PrivateUse1 device as well."""
+    assert "test_transformerencoderlayer" in testing.TEST_EXCLUSIONS["TestNNDeviceType"]
+    for device in ("cpu", "openreg"):
+        layer = torch.nn.TransformerEncoderLayer(4, 2, 16, 0.0, batch_first=True).to(device)
+        x = torch.tensor([[[20., 30., 40., 50.]]], device=device)
+        mask = torch.tensor([[True]], device=device)
+        with torch.no_grad():
+            out = layer.eval()(x, src_key_padding_mask=mask)
+        assert torch.isnan(out.cpu()).all()  # the fast path's result, on both devices
+    assert not (out.is_cuda or out.is_cpu)  # what the test tests instead
+
+
+@pytest.mark.parametrize("method", ["test_broadcast_double_backwards", "test_broadcast_no_grad",
+                                    "test_broadcast_not_requiring_grad",
+                                    "test_data_parallel_with_empty_parameter_shapes"])
+def test_excluded_deviation_still_holds_nn_parallel_broadcast_is_cuda_only(method):
+    """TEST_EXCLUSIONS['TestNNDeviceType'][method]: torch.nn.parallel's Broadcast and
+    DataParallel copy through torch._C._broadcast_coalesced, which only CUDA implements."""
+    assert method in testing.TEST_EXCLUSIONS["TestNNDeviceType"]
+    with pytest.raises(RuntimeError, match="NVIDIA|CUDA"):
+        torch.nn.parallel.comm.broadcast(torch.ones(2, device="openreg"), [0, 1])
+
+
 def test_exclusion_config_leaves_out_only_the_listed_dtypes():
     config = testing.exclusion_config()["TestBinaryUfuncs"]
     assert config["test_fmod_remainder_by_zero_integral"] == "*"
