@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+import torch_openreg
 
 is_cow = torch._C._is_cow_tensor
 lazy = torch._lazy_clone
@@ -139,6 +140,13 @@ def foreach_in_place(d):
     return [x, y, w, v]
 
 
+def dense_written_with_sparse(d):  # the layout fallback (csrc/ops/layouts.cpp)
+    x = source(d, n=4)
+    y = lazy(x)
+    y.add_(torch.sparse_coo_tensor([[0, 3]], [1.0, 2.0], (4,)).to(d))
+    return [x, y]
+
+
 def read_only(d):
     x = source(d)
     y = lazy(x)
@@ -170,7 +178,8 @@ def last_reference_written(d):
 CASES = [unary_in_place, unary_in_place_dispatch_stub, binary_in_place_reads_a_clone,
          written_and_read_at_once, out_variant, batch_norm_running_stats, native_batch_norm_legit,
          index_put, copy_device_to_device, copy_host_to_device, copy_host_to_device_non_blocking,
-         copy_device_to_host, fill_and_zero, foreach_in_place, read_only, view_of_a_clone_written,
+         copy_device_to_host, fill_and_zero, foreach_in_place, dense_written_with_sparse,
+         read_only, view_of_a_clone_written,
          source_written, last_reference_written]
 
 
@@ -185,6 +194,19 @@ def test_like_the_cpu(case, mode, device):
     assert actual_cow == expected_cow
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_cases_reach_the_routes_they_name():
+    # A written COW argument of an operator the unboxed route serves (mul_) goes to the boxed
+    # fallback, which materializes it; a sparse argument takes the layout fallback.
+    routes = torch_openreg._C._route_calls
+    d = torch.device("openreg")
+    boxed = routes("unboxed.boxed")
+    binary_in_place_reads_a_clone(d)
+    assert routes("unboxed.boxed") > boxed
+    layouts = routes("layouts.fallback")
+    dense_written_with_sparse(d)
+    assert routes("layouts.fallback") > layouts
 
 
 def test_the_bug_of_issue_39(mode):
