@@ -14,6 +14,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/InferSize.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -239,6 +240,7 @@ at::Generator cpu_generator(const c10::IValue& arg, int device) {
 
 // [docs:start HOOKS]
 void resize_bytes(c10::StorageImpl* storage, size_t size);
+bool (*pinned_lookup)(const void*) = nullptr;  // optional/pinned_memory.cpp hands it over
 
 struct Hooks final : at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
@@ -254,6 +256,15 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t size) const override {
     resize_bytes(storage.unsafeGetStorageImpl(), size);
   }
+  // [docs:start PINNED_HOOKS]
+  // Pinned memory (optional): without a host allocator, pin_memory() raises and nothing is pinned.
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    c10::Allocator* host = at::getHostAllocator(kType);  // nullptr when none is registered
+    TORCH_CHECK_NOT_IMPLEMENTED(host, "minidev: no pinned memory (optional/pinned_memory.cpp)");
+    return host;
+  }
+  bool isPinnedPtr(const void* p) const override { return pinned_lookup && pinned_lookup(p); }
+  // [docs:end PINNED_HOOKS]
 };
 
 struct RegisterHooks {
@@ -434,5 +445,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("device_count", [] { return kDevices; });
   m.def("default_generator", [](int device) { return default_generator(device); });
+  m.def("set_pinned_lookup", [](py::capsule lookup) {
+    pinned_lookup = reinterpret_cast<bool (*)(const void*)>(lookup.get_pointer());
+  });
 }
 // [docs:end PYTHON_BINDINGS]

@@ -13,10 +13,10 @@ import types
 
 import torch
 
-# The variants break the core: minidev's optional extensions (examples/minimal_backend/optional)
-# are left out, as minidev/__init__.py does when they are not built.
-for _optional in ("minidev._autocast",):
-    sys.modules[_optional] = None  # `from . import _autocast` raises ImportError
+# The variants break the core: minidev's optional mechanisms (examples/minimal_backend/optional)
+# are left out, as minidev/__init__.py does when they are not there.
+for _optional in ("_autocast", "_pinned_memory", "_fork", "inductor", "_distributed", "_profiler"):
+    sys.modules[f"minidev.{_optional}"] = None  # minidev/__init__.py then finds no such module
 
 import minidev  # noqa: E402
 

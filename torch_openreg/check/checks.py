@@ -1009,10 +1009,14 @@ def check_compile(ctx: Context) -> str:
     compiled = torch.compile(_compiled_function, fullgraph=True)
     a_cpu, b_cpu = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
     a = a_cpu.detach().to(ctx.dev(0)).requires_grad_()
-    from torch._inductor.utils import run_and_get_code
+    from torch._inductor.utils import fresh_cache, run_and_get_code
     try:
-        out, codes = run_and_get_code(compiled, a, b_cpu.to(ctx.dev(0)))
-        out.sum().backward()
+        # Fresh caches: code that another backend's registration generated for this device name
+        # and function earlier on this machine (Inductor's on-disk caches) must not pass for this
+        # backend's own code generation.
+        with fresh_cache():
+            out, codes = run_and_get_code(compiled, a, b_cpu.to(ctx.dev(0)))
+            out.sum().backward()
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckFailed(f"torch.compile (Inductor) of a function on {ctx.device} tensors raised "

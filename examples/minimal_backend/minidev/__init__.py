@@ -6,6 +6,8 @@ Python side it leaves out lazy initialisation, device properties and most of tor
 (openreg's complete device module: docs/device.md, docs/accelerator.md); minidev.cpp says what the
 native side leaves out.
 """
+import importlib.util
+import os
 import sys
 
 import torch
@@ -128,11 +130,13 @@ torch.utils.generate_methods_for_privateuse1_backend(
 
 
 # [docs:start OPTIONAL]
-# Optional mechanisms, a file each in optional/ built by setup.py: one not built is left out.
-try:
-    from . import _autocast  # noqa: F401  loading it registers the AutocastPrivateUse1 kernels
+# Optional mechanisms, a file each in optional/: setup.py builds the C++ ones as minidev._<name>,
+# the Python ones are imported from optional/ as minidev.<name>. One that is not there is left out.
+__path__.append(os.path.join(os.path.dirname(__file__), os.pardir, "optional"))
+for _name in ("_autocast", "_pinned_memory", "_fork", "inductor", "_distributed", "_profiler"):
+    if importlib.util.find_spec(f"{__name__}.{_name}") is not None:
+        importlib.import_module(f"{__name__}.{_name}")  # loading it registers the mechanism
+if "_autocast" in globals():  # the AutocastPrivateUse1 kernels are registered
     def get_amp_supported_dtype() -> list:  # the dtypes torch.autocast("minidev") accepts
         return [torch.float16, torch.bfloat16]
-except ImportError:
-    pass
 # [docs:end OPTIONAL]
