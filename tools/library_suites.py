@@ -77,8 +77,7 @@ def timm_selection():
 # float32 and float16, merging, safe merging, training, adapters switched off, saving and
 # loading, deleting; several active adapters at once; the LoRA cases of mixed adapter batches.
 # 8 methods x 10 cases: the whole LoRA set (about 45 cases x 40 methods) takes hours on 2 shared
-# cores. And three LoRA tests of one decoder model (tiny GPT-2): they load it from the hub, so
-# here they fail on both devices alike (kept to show it, and for a machine with the network).
+# cores. The decoder-model tests: below.
 PEFT_CASES = [
     "Vanilla MLP 1 LoRA-MLP-LoraConfig-config_kwargs6",
     "Vanilla MLP 7 LoRA with DoRA-MLP-LoraConfig-config_kwargs12",
@@ -94,6 +93,11 @@ PEFT_CASES = [
 PEFT_METHODS = ["test_forward_output_finite", "test_forward_float16", "test_merge_layers",
                 "test_safe_merge", "test_training_custom_models", "test_disable_adapters",
                 "test_save_pretrained", "test_delete_adapter"]
+PEFT_DECODER_METHODS = [
+    "test_save_pretrained", "test_merge_layers", "test_merge_layers_multi",
+    "test_mixed_adapter_batches", "test_generate", "test_merge_layers_fp16",
+    "test_generate_half_prec", "test_training_decoders", "test_delete_adapter",
+    "test_unload_adapter", "test_disable_adapter"]
 PEFT_SELECTION = [
     [f"tests/test_custom_models.py::TestPeftCustomModel::{m}[{c}]"
      for m in PEFT_METHODS for c in PEFT_CASES]
@@ -102,10 +106,60 @@ PEFT_SELECTION = [
        "tests/test_custom_models.py::TestMixedAdapterBatches",
        "-k", "TestPeftCustomModel or (test_multiple_active_adapters_forward and LoraConfig) or "
              "(TestMixedAdapterBatches and LoRA)"],
-    [f"tests/test_decoder_models.py::TestDecoderModels::{m}[LoraConfig-config_kwargs16-"
-     "peft-internal-testing/tiny-random-GPT2LMHeadModel]"
-     for m in ("test_merge_layers", "test_generate", "test_training_decoders")],
+    # LoRA tests of the decoder-model tests: 11 of its test methods (saving, merging, mixed
+    # adapter batches, generation, float16, training, deleting, unloading, switching off) with
+    # ALL_CONFIGS' first LoraConfig (config_kwargs16: plain LoRA on the default target modules)
+    # over two of its models, tiny GPT-2 and tiny OPT, made here (PEFT_MODELS). The other test
+    # methods, LoRA variants and models are left out for time on 2 shared cores.
+    [f"tests/test_decoder_models.py::TestDecoderModels::{m}[LoraConfig-config_kwargs16-{model}]"
+     for m in PEFT_DECODER_METHODS for model in ("peft-internal-testing/tiny-random-GPT2LMHeadModel",
+                                                "peft-internal-testing/tiny-random-OPTForCausalLM")]
+    # peft 0.21 calls transformers' is_gradient_checkpointing, deprecated in the installed
+    # transformers 5.24 with a FutureWarning, which peft's pytest settings make an error.
+    + ["-W", "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"],
 ]
+
+
+# The decoder-model tests load their tiny models from the hub, which cannot be reached here (and
+# is not needed): the models are made from configs of the hub models' shapes (as far as known
+# here: the hub's files were not at hand to compare), with fixed random weights, and saved into
+# a local hub cache (build/library_suites/hub) that both devices' runs read with HF_HUB_OFFLINE=1.
+# model id -> (transformers config class, its arguments, model class)
+PEFT_MODELS = {
+    "peft-internal-testing/tiny-random-GPT2LMHeadModel": (
+        "GPT2Config", dict(vocab_size=1000, n_positions=512, n_embd=32, n_layer=5, n_head=4,
+                           n_inner=37, bos_token_id=98, eos_token_id=98, pad_token_id=98),
+        "GPT2LMHeadModel"),
+    "peft-internal-testing/tiny-random-OPTForCausalLM": (
+        "OPTConfig", dict(vocab_size=50265, hidden_size=16, num_hidden_layers=5, ffn_dim=4,
+                          num_attention_heads=4, max_position_embeddings=100,
+                          word_embed_proj_dim=16),
+        "OPTForCausalLM"),
+}
+
+
+def hub_cache():
+    return OUT / "hub"
+
+
+def make_models(models):
+    """Save each model into the local hub cache, laid out as huggingface_hub lays out a
+    download (models--ORG--NAME/refs/main naming a snapshot folder); kept once made, so that
+    both devices read the same weights."""
+    import torch
+    import transformers
+    for model_id, (config_cls, kwargs, model_cls) in models.items():
+        repo = hub_cache() / ("models--" + model_id.replace("/", "--"))
+        revision = "0" * 40
+        folder = repo / "snapshots" / revision
+        if (folder / "config.json").exists():
+            continue
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(**kwargs)
+        getattr(transformers, model_cls)(config).save_pretrained(folder)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+        print(f"made {model_id} in {folder}", flush=True)
 
 # peft's tests take their device from peft.utils.infer_device() and accelerate's get_backend(),
 # both lists of devices by name (docs/privateuse1_gaps.md): this plugin, loaded before the test
@@ -126,6 +180,23 @@ PEFT_PLUGIN = """
      accelerate_testing.memory_allocated_func) = _backend()
     peft.utils.infer_device = peft.utils.other.infer_device = lambda: "openreg"
 """
+
+# peft's tests load each hub model once online (testing_utils.hub_online_once), even with
+# HF_HUB_OFFLINE=1, and only later accesses offline: this plugin marks the models made here
+# (PEFT_MODELS) as loaded already, so that every access reads the local hub cache.
+PEFT_HUB_PLUGIN = """
+    import sys
+
+    MODELS = {models!r}
+
+
+    def pytest_collection_finish(session):
+        for module in list(sys.modules.values()):
+            accesses = getattr(module, "_HUB_MODEL_ACCESSES", None)
+            if isinstance(accesses, dict):
+                for model_id in MODELS:
+                    accesses.setdefault(model_id, 1)
+""".format(models=sorted(PEFT_MODELS))
 
 
 # diffusers: the model tests (the common model tests, training, and for DiT attention) of a UNet
@@ -233,9 +304,13 @@ LIBRARIES = {
                   "python-dateutil", "tzdata", "pytz"],
         "selection": PEFT_SELECTION,
         "why": "LoRA tests of the custom models (TestPeftCustomModel, 8 methods x 10 models; "
-               "several and mixed adapters) and of the decoder model tiny GPT-2 (needs the hub)",
+               "several and mixed adapters) and of the decoder models tiny GPT-2 and tiny OPT "
+               "(made locally)",
         "env": {},
-        "plugins": {"openreg": {"openreg_peft_switch": PEFT_PLUGIN}},
+        "models": PEFT_MODELS,
+        "plugins": {"cpu": {"peft_local_models": PEFT_HUB_PLUGIN},
+                    "openreg": {"openreg_peft_switch": PEFT_PLUGIN,
+                                "peft_local_models": PEFT_HUB_PLUGIN}},
     },
     "diffusers": {
         "repository": "huggingface/diffusers",
@@ -309,10 +384,14 @@ def run(lib, folder, site, devices, extra_args, groups=None):
     if found and not found.startswith(spec["commit"]):
         print(f"note: {folder} is at {found}, the measured commit is {spec['commit']}")
     OUT.mkdir(parents=True, exist_ok=True)
+    if "models" in spec:
+        make_models(spec["models"])
     for device in devices:
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        if "models" in spec:
+            env["HF_HUB_CACHE"] = str(hub_cache())
         env.update(spec["env"].get(device, {}))
         if "setup" in spec:
             env.update(spec["setup"](device, folder))
