@@ -260,8 +260,26 @@ def cow_outcome(fn, sample, device):
                  for c, r, k, s in zip(clones, raw, copies, strided) if s)
 
 
+def _cpu_skips_the_write_of_real_conj_physical_():
+    """torch 2.13's CPU conj_physical_ returns at once for a real tensor, without the write its
+    schema declares, so a lazily cloned argument stays copy-on-write; later releases' CPU kernel
+    materializes it. openreg materializes every argument the schema writes (csrc/ops/cow.h): on
+    such a torch the only difference is that extra copy (the values agree). Detected by what the
+    installed CPU kernel does, not by version."""
+    x = torch._lazy_clone(torch.ones(2))
+    x.conj_physical_()
+    return torch._C._is_cow_tensor(x)
+
+
+# Operators whose CPU kernel may skip the write its schema declares (see above): openreg's
+# clone of the written argument is materialized where the CPU's stays copy-on-write; the values
+# and the other flags must still agree.
+CPU_SKIPPED_WRITES = {"conj_physical_": _cpu_skips_the_write_of_real_conj_physical_}
+
+
 def test_cow_input_outcomes_like_the_cpu():
     device = torch.device("openreg")
+    skipped_writes = {name for name, check in CPU_SKIPPED_WRITES.items() if check()}
     differences, compared = [], 0
     for op in _op_sample():
         samples = list(op.sample_inputs("cpu", torch.float32))[:OPINFO_SAMPLES]
@@ -277,6 +295,9 @@ def test_cow_input_outcomes_like_the_cpu():
                 torch.manual_seed(0)
                 actual = cow_outcome(fn, sample, device)
                 compared += 1
+                if f"{op.name}{suffix}" in skipped_writes and not isinstance(actual, str):
+                    # the CPU skipped the write: only the written clone's COW flag may differ
+                    expected = ((False,) + expected[0][1:],) + expected[1:]
                 if actual != expected:
                     differences.append(f"{op.name}{suffix} sample {k}: CPU {expected}, "
                                        f"openreg {actual}")

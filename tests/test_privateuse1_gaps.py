@@ -5,6 +5,7 @@ behaviour, so it fails, saying so, the day the gap is closed upstream: then the 
 """
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -215,6 +216,9 @@ def test_data_parallel_takes_privateuse1_but_copies_with_cuda():
             out = copy()
         except RuntimeError as e:  # torch.AcceleratorError is one
             assert "CUDA" in str(e) or "NVIDIA" in str(e), f"{name}: {e}"
+        except AttributeError as e:  # a CPU-only build of torch (2.13's here) lacks the bindings
+            assert re.search(r"torch\._C' has no attribute '_(broadcast|scatter)", str(e)), \
+                f"{name}: {e}"
         else:  # where a CUDA device is there, the copies land on it
             types = {t.device.type for t in torch.utils._pytree.tree_leaves(out)}
             assert "openreg" not in types, (CLOSED + f"{name} copies to openreg; remove the "
