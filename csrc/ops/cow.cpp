@@ -41,18 +41,6 @@ void find_running_stats(const c10::FunctionSchema& schema, ArgSummary& s) {
 
 namespace {
 
-template <class F>
-void for_each_tensor_in(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) f(t);
-  } else if (v.isList()) {  // Tensor?[]
-    for (const c10::IValue& e : v.toListRef())
-      if (e.isTensor()) f(e.toTensor());
-  }
-}
-
 bool written(const ArgSummary& s, const c10::Stack& stack, size_t first, size_t i) {
   if (s.running_stats >= 0 && (i == size_t(s.running_stats) || i == size_t(s.running_stats) + 1)) {
     if (s.training < 0) return true;
@@ -64,14 +52,12 @@ bool written(const ArgSummary& s, const c10::Stack& stack, size_t first, size_t 
 
 }  // namespace
 
-void materialize_written(const c10::IValue& v) {
-  for_each_tensor_in(v, [](const at::Tensor& t) { materialize_written(t); });
-}
-
 void materialize_written(const ArgSummary& s, const c10::Stack& stack, size_t first) {
   if (!s.any_writes && s.running_stats < 0) return;
   for (size_t i = 0; i < s.writes.size(); ++i)
-    if (written(s, stack, first, i)) materialize_written(stack[first + i]);
+    if (written(s, stack, first, i))
+      for_each_tensor(stack[first + i], s.kinds[i],
+                      [](const at::Tensor& t) { materialize_written(t); });
 }
 
 bool writes_cow(const ArgSummary& s, const c10::Stack& stack, size_t first) {
@@ -79,7 +65,8 @@ bool writes_cow(const ArgSummary& s, const c10::Stack& stack, size_t first) {
   bool found = false;
   for (size_t i = 0; i < s.writes.size() && !found; ++i)
     if (written(s, stack, first, i))
-      for_each_tensor_in(stack[first + i], [&](const at::Tensor& t) { found |= is_cow(t); });
+      for_each_tensor(stack[first + i], s.kinds[i],
+                      [&](const at::Tensor& t) { found |= is_cow(t); });
   return found;
 }
 

@@ -24,8 +24,6 @@ bool is_cow(const at::Tensor& t);
 // copy-on-write one: it gets its own copy of the memory, in device memory. Call it after the
 // HostKernel (or LaunchScope) is made, so the copy is in stream order, and before the alias.
 void materialize_written(const at::Tensor& device_tensor);
-// The same for an argument of a boxed call: a tensor or a list of (optional) tensors.
-void materialize_written(const c10::IValue& argument);
 // The same for every argument a boxed call writes (the call's arguments start at stack[first]).
 void materialize_written(const ArgSummary& s, const c10::Stack& stack, size_t first);
 // Whether the call writes a copy-on-write tensor (the asynchronous mode runs it synchronously).
