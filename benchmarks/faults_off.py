@@ -1,6 +1,7 @@
 """What device profiles and fault injection cost when they are off: tiny operators, per call.
 
     python benchmarks/faults_off.py [--rounds R] [--calls N]
+    python benchmarks/faults_off.py --instructions [--calls N]
 
 The checks sit where every device tensor is born (empty_strided, a kernel's result), where every
 allocation passes (the caching allocator) and where every kernel is launched (LaunchScope): one
@@ -8,12 +9,22 @@ never-taken branch each when no profile is set and no fault is armed. To compare
 (before and after a change), run this script with each checkout on PYTHONPATH, alternating, several
 times (docs/fault_injection.md gives the commands and numbers). Each round alternates the CPU and
 openreg in one process; the ratio openreg / CPU is what compares across processes under load.
+
+--instructions counts instructions instead of time: the script runs itself under valgrind's
+callgrind with collection off, switches it on around each workload's calls (after a warm-up) and
+prints the instructions per call. Deterministic to a fraction of a percent, and unaffected by
+the machine's load: what tells two builds apart when the timings cannot (needs valgrind).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -37,11 +48,54 @@ def workloads(device: str) -> dict:
     }
 
 
+def count_under_callgrind(calls: int) -> None:
+    """Inside valgrind: each workload's calls between two toggles of collection, one dump each."""
+    for device in ("cpu", "openreg:0"):
+        for name, step in workloads(device).items():
+            for _ in range(200):
+                step()
+            if device != "cpu":
+                torch.openreg.synchronize()
+            torch._C._valgrind_toggle()
+            for _ in range(calls):
+                step()
+            torch._C._valgrind_toggle_and_dump_stats()
+            print(f"{device}\t{name}", flush=True)
+
+
+def instructions(calls: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "callgrind.out")
+        child = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
+             sys.executable, __file__, "--under-callgrind", "--calls", str(calls)],
+            capture_output=True, text=True, check=True)
+        order = [line.split("\t") for line in child.stdout.splitlines() if "\t" in line]
+        counts = []
+        for n in range(1, len(order) + 1):  # callgrind numbers its dumps out.1, out.2, ...
+            (dump,) = glob.glob(f"{out}.{n}")
+            with open(dump) as f:
+                summary = next(line for line in f if line.startswith("summary:"))
+            counts.append(int(summary.split()[1]) / calls)
+    per = {(device, name): count for (device, name), count in zip(order, counts)}
+    print(f"{'workload':22} {'cpu instr':>10} {'openreg instr':>14} {'ratio':>6}")
+    for name in workloads("cpu"):
+        c, o = per[("cpu", name)], per[("openreg:0", name)]
+        print(f"{name:22} {c:10.0f} {o:14.0f} {o / c:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--instructions", action="store_true",
+                        help="instructions per call, counted by callgrind (needs valgrind)")
+    parser.add_argument("--under-callgrind", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.under_callgrind:
+        return count_under_callgrind(args.calls)
+    if args.instructions:
+        return instructions(min(args.calls, 2000))
     cpu, dev = workloads("cpu"), workloads("openreg:0")
     times: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "openreg": []} for k in cpu}
     for _ in range(args.rounds):
