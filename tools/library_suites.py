@@ -233,6 +233,7 @@ def diffusers_setup(device, folder):
 # (self.skipTest(reason), after a device check in its body) is ignored. Shared by the plugins
 # below; the CPU runs load none of them.
 LIFT_SKIPS = """
+    # [docs:start PLUGIN_LIFT_SKIPS]
     import unittest
 
 
@@ -259,6 +260,7 @@ LIFT_SKIPS = """
                 skip_test(self, reason)
 
         unittest.TestCase.skipTest = skipTest
+    # [docs:end PLUGIN_LIFT_SKIPS]
 """
 
 
@@ -266,7 +268,7 @@ LIFT_SKIPS = """
 # is "cuda" or "xpu" by name (docs/privateuse1_gaps.md). On openreg this plugin lifts exactly
 # those skips, by their reason, so that they run; the CPU run skips them as diffusers means to.
 DIFFUSERS_PLUGIN = LIFT_SKIPS + """
-
+    # [docs:start PLUGIN_DIFFUSERS]
     DEVICE_LIST_SKIPS = (
         "float16 requires CUDA or XPU",
         "float16 and bfloat16 can only be use for inference with an accelerator",
@@ -275,6 +277,7 @@ DIFFUSERS_PLUGIN = LIFT_SKIPS + """
 
     def pytest_collection_modifyitems(config, items):
         lift_skips(items, DEVICE_LIST_SKIPS)
+    # [docs:end PLUGIN_DIFFUSERS]
 """
 
 
@@ -295,6 +298,7 @@ ACCELERATE_SELECTION = [
 # and XPU (accelerate's require_cuda_or_xpu and require_multi_gpu_or_xpu, and two tests of
 # test_hooks.py that check torch.cuda and XPU in their body; docs/privateuse1_gaps.md).
 ACCELERATE_PLUGIN = LIFT_SKIPS + """
+    # [docs:start PLUGIN_ACCELERATE]
     import torch
     import accelerate.test_utils as accelerate_test_utils
     import accelerate.test_utils.testing as accelerate_testing
@@ -318,6 +322,7 @@ ACCELERATE_PLUGIN = LIFT_SKIPS + """
 
     def pytest_collection_modifyitems(config, items):
         lift_skips(items, DEVICE_LIST_SKIPS)
+    # [docs:end PLUGIN_ACCELERATE]
 """
 
 
