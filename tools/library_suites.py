@@ -200,10 +200,11 @@ PEFT_HUB_PLUGIN = """
 
 
 # diffusers: the model tests (the common model tests, training, and for DiT attention) of a UNet
-# (UNet2DModel), a VAE (AutoencoderKL) and a transformer (DiT's Transformer2DModel), the tests of
-# three schedulers, and two small pipelines (DDPM and DDIM: a UNet and a scheduler made in the
-# test, nothing downloaded in their fast tests). Left out for time on 2 shared cores: the
-# files' other UNets (LDM, NCSN++), the memory and offloading classes, and further schedulers.
+# (UNet2DModel), a VAE (AutoencoderKL) and a transformer (DiT's Transformer2DModel); the tests of
+# every scheduler (the whole tests/schedulers/ folder, 33 files: about 5 minutes on the CPU on 2
+# shared cores) and two small pipelines (DDPM and DDIM: a UNet and a scheduler made in the test,
+# nothing downloaded in their fast tests). Left out for time on 2 shared cores: the model files'
+# other UNets (LDM, NCSN++) and their memory and offloading classes.
 DIFFUSERS_SELECTION = [
     ["tests/models/unets/test_models_unet_2d.py::TestUnet2DModel",
      "tests/models/unets/test_models_unet_2d.py::TestUnet2DModelTraining",
@@ -377,7 +378,7 @@ LIBRARIES = {
                   "torchsde", "trampoline"],
         "selection": DIFFUSERS_SELECTION,
         "why": "model tests of UNet2DModel, AutoencoderKL and DiT's Transformer2DModel; the tests "
-               "of 3 schedulers; the DDPM and DDIM pipelines",
+               "of every scheduler (tests/schedulers/); the DDPM and DDIM pipelines",
         "env": {},
         "setup": diffusers_setup,
         "plugins": {"openreg": {"openreg_diffusers_switch": DIFFUSERS_PLUGIN}},
