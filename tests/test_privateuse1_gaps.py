@@ -233,7 +233,7 @@ def _library_test_file(library, relative):
     variable = f"OPENREG_{library.upper()}_CLONE"
     clone = os.environ.get(variable)
     if not clone:
-        pytest.skip(f"{library}'s tests ship in no wheel: set {variable} to a clone")
+        pytest.skip(f"the tests of {library} ship in no wheel: set {variable} to a clone")
     return open(os.path.join(clone, relative), encoding="utf-8").read()
 
 
@@ -286,6 +286,8 @@ def test_accelerate_accelerator_tests_know_cuda_and_xpu(monkeypatch):
     device but CUDA and XPU, even where accelerate's tests take their device from a patched
     get_backend() (two openreg devices here)."""
     import accelerate.test_utils.testing as testing
+    if torch.cuda.is_available() or torch.xpu.is_available():
+        pytest.skip("a CUDA or XPU device is there: the decorators run the tests on it")
     monkeypatch.setattr(testing, "device_count", torch.openreg.device_count())
     assert testing.device_count == 2
     for decorator, reason in ((testing.require_cuda_or_xpu, "test requires a CUDA GPU or XPU"),
