@@ -226,14 +226,19 @@ def test_data_parallel_takes_privateuse1_but_copies_with_cuda():
 # [docs:end GAP_DATA_PARALLEL]
 
 
-def _diffusers_test_file(relative):
-    """diffusers' test files are in neither its wheel nor its source distribution on PyPI: read
-    them from a clone named by OPENREG_DIFFUSERS_CLONE (the one tools/library_suites.py ran),
-    else skip, saying so."""
-    clone = os.environ.get("OPENREG_DIFFUSERS_CLONE")
+def _library_test_file(library, relative):
+    """diffusers' and accelerate's test files are not in their wheels on PyPI: read them from a
+    clone named by OPENREG_<LIBRARY>_CLONE (the one tools/library_suites.py ran), else skip,
+    saying so."""
+    variable = f"OPENREG_{library.upper()}_CLONE"
+    clone = os.environ.get(variable)
     if not clone:
-        pytest.skip("diffusers' tests ship in no package: set OPENREG_DIFFUSERS_CLONE to a clone")
+        pytest.skip(f"the tests of {library} ship in no wheel: set {variable} to a clone")
     return open(os.path.join(clone, relative), encoding="utf-8").read()
+
+
+def _diffusers_test_file(relative):
+    return _library_test_file("diffusers", relative)
 
 
 # [docs:start GAP_DIFFUSERS_FLOAT16]
@@ -273,6 +278,52 @@ def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
     assert device == "openreg"
     assert (default_device, output) == ("cpu", "cpu"), CLOSED + r.stdout
 # [docs:end GAP_ACCELERATE_DEFAULT_DEVICE]
+
+
+# [docs:start GAP_ACCELERATE_CUDA_OR_XPU]
+def test_accelerate_accelerator_tests_know_cuda_and_xpu(monkeypatch):
+    """accelerate's require_cuda_or_xpu and require_multi_gpu_or_xpu skip a test on every
+    device but CUDA and XPU, even where accelerate's tests take their device from a patched
+    get_backend() (two openreg devices here)."""
+    import accelerate.test_utils.testing as testing
+    if torch.cuda.is_available() or torch.xpu.is_available():
+        pytest.skip("a CUDA or XPU device is there: the decorators run the tests on it")
+    monkeypatch.setattr(testing, "device_count", torch.openreg.device_count())
+    assert testing.device_count == 2
+    for decorator, reason in ((testing.require_cuda_or_xpu, "test requires a CUDA GPU or XPU"),
+                              (testing.require_multi_gpu_or_xpu,
+                               "test requires multiple GPUs or XPUs")):
+        test = decorator(lambda self: None)
+        assert getattr(test, "__unittest_skip_why__", None) == reason, (
+            CLOSED + f"{decorator.__name__} runs the test on openreg")
+
+
+def test_accelerate_offload_hook_tests_check_cuda_and_xpu():
+    """Two tests of accelerate's tests/test_hooks.py check CUDA and XPU by name in their body
+    before offloading to the test device (any device)."""
+    source = _library_test_file("accelerate", "tests/test_hooks.py")
+    check = ('if not torch.cuda.is_available() and not is_xpu_available():\n'
+             '            self.skipTest("CUDA or XPU not available for offload test.")')
+    assert source.count(check) == 2, CLOSED + "tests/test_hooks.py checks otherwise"
+# [docs:end GAP_ACCELERATE_CUDA_OR_XPU]
+
+
+# [docs:start GAP_ACCELERATE_CLEAR_DEVICE_CACHE]
+def test_accelerate_clear_device_cache_knows_a_fixed_device_list():
+    """accelerate's clear_device_cache() empties the caching allocator of xpu, mlu, sdaa, musa,
+    npu, mps, cuda or neuron, by name; on openreg it does nothing: the memory a freed tensor
+    held stays reserved (torch.accelerator.empty_cache() gives it back)."""
+    from accelerate.utils.memory import clear_device_cache
+    x = torch.empty(4 << 20, device="openreg")
+    del x
+    reserved = torch.openreg.memory_reserved()
+    assert reserved >= 16 << 20
+    clear_device_cache(garbage_collection=True)
+    assert torch.openreg.memory_reserved() == reserved, (
+        CLOSED + "clear_device_cache() empties openreg's cache")
+    torch.accelerator.empty_cache()
+    assert torch.openreg.memory_reserved() < reserved
+# [docs:end GAP_ACCELERATE_CLEAR_DEVICE_CACHE]
 
 
 # [docs:start GAP_DIFFUSERS_GET_DEVICE]

@@ -6,6 +6,7 @@ test openreg fails with the variable and the fix instead of testing the CPU.
 Each suite reads its variables once per process, at import: every case runs in a subprocess.
 """
 import json
+import os
 import textwrap
 
 import pytest
@@ -541,3 +542,83 @@ def test_pytorch_suites_plugin_cpu_configs_gives_openreg_the_cpus_optimizer_conf
     pytorch_suites_plugin._cpu_configs()
     now = co._get_optim_inputs_including_global_cliquey_kwargs
     assert [i.kwargs for i in now("openreg", torch.float32, rmsprop)] == cpu
+
+
+# The test file the switches of tools/library_suites.py are tried on: skips for a device-list
+# reason (lifted on openreg) and for other reasons (kept), in unittest's and pytest's forms.
+LIFTED_SKIPS_TESTS = """
+import unittest
+import pytest
+
+LISTED = {listed!r}
+
+
+class TestUnittestForm(unittest.TestCase):
+    @unittest.skipIf(True, LISTED)
+    def test_skipif(self):
+        pass
+
+    @unittest.skipUnless(False, LISTED)
+    def test_skipunless(self):
+        pass
+
+    @unittest.skipUnless(False, LISTED)
+    @unittest.skip("flaky")
+    def test_listed_over_other(self):
+        pass
+
+    def test_runtime_listed(self):
+        self.skipTest("CUDA or XPU not available for offload test.")
+
+    def test_runtime_other(self):
+        self.skipTest("test is slow")
+
+
+class TestPytestForm:
+    @pytest.mark.skipif(True, reason=LISTED)
+    def test_marked(self):
+        pass
+
+    @pytest.mark.skipif(True, reason="other")
+    def test_marked_other(self):
+        pass
+"""
+
+
+@pytest.mark.parametrize("lib, listed, lifted", [
+    ("diffusers", "float16 requires CUDA or XPU", set()),
+    ("accelerate", "test requires a CUDA GPU or XPU", {"test_runtime_listed"}),
+])
+def test_library_suites_plugins_lift_device_list_skips(tmp_path, monkeypatch, lib, listed,
+                                                       lifted):
+    """The openreg plugins of tools/library_suites.py run the tests a library skips for one of
+    its device-list reasons, in unittest's form (skipIf, skipUnless: the method is wrapped) as in
+    pytest's (skipif marks), and in accelerate's, the test's own skipTest; every other skip
+    stays, also one under a lifted one."""
+    import sys
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import library_suites
+
+    monkeypatch.setattr(library_suites, "OUT", tmp_path / "out")
+    plugins = library_suites.write_plugins(lib, "openreg")
+    (tmp_path / "test_lifted.py").write_text(LIFTED_SKIPS_TESTS.format(listed=listed))
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--junitxml", "out.xml", "test_lifted.py"]
+    for name in plugins:
+        args += ["-p", name]
+    r = run(args, tmp_path, {"PYTHONPATH": os.pathsep.join(
+        [str(library_suites.plugin_dir()), os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    outcomes = {}
+    for case in ET.parse(tmp_path / "out.xml").getroot().iter("testcase"):
+        skipped = [c.get("message") for c in case if c.tag == "skipped"]
+        outcomes[case.get("name")] = skipped[0] if skipped else "passed"
+    assert {name for name, outcome in outcomes.items() if outcome == "passed"} == (
+        {"test_skipif", "test_skipunless", "test_marked"} | lifted), outcomes
+    assert outcomes["test_listed_over_other"] == "flaky"
+    assert outcomes["test_runtime_other"] == "test is slow"
+    assert outcomes["test_marked_other"] == "other"
+    if not lifted:
+        assert outcomes["test_runtime_listed"] == "CUDA or XPU not available for offload test."

@@ -200,10 +200,11 @@ PEFT_HUB_PLUGIN = """
 
 
 # diffusers: the model tests (the common model tests, training, and for DiT attention) of a UNet
-# (UNet2DModel), a VAE (AutoencoderKL) and a transformer (DiT's Transformer2DModel), the tests of
-# three schedulers, and two small pipelines (DDPM and DDIM: a UNet and a scheduler made in the
-# test, nothing downloaded in their fast tests). Left out for time on 2 shared cores: the
-# files' other UNets (LDM, NCSN++), the memory and offloading classes, and further schedulers.
+# (UNet2DModel), a VAE (AutoencoderKL) and a transformer (DiT's Transformer2DModel); the tests of
+# every scheduler (the whole tests/schedulers/ folder, 33 files: about 5 minutes on the CPU on 2
+# shared cores) and two small pipelines (DDPM and DDIM: a UNet and a scheduler made in the test,
+# nothing downloaded in their fast tests). Left out for time on 2 shared cores: the model files'
+# other UNets (LDM, NCSN++) and their memory and offloading classes.
 DIFFUSERS_SELECTION = [
     ["tests/models/unets/test_models_unet_2d.py::TestUnet2DModel",
      "tests/models/unets/test_models_unet_2d.py::TestUnet2DModelTraining",
@@ -211,8 +212,7 @@ DIFFUSERS_SELECTION = [
      "tests/models/transformers/test_models_dit_transformer2d.py::TestDiTTransformer2D",
      "tests/models/transformers/test_models_dit_transformer2d.py::TestDiTTransformer2DAttention",
      "tests/models/transformers/test_models_dit_transformer2d.py::TestDiTTransformer2DTraining"],
-    [f"tests/schedulers/test_scheduler_{name}.py" for name in ("ddpm", "ddim", "euler")]
-    + ["tests/pipelines/ddpm/test_ddpm.py", "tests/pipelines/ddim/test_ddim.py"],
+    ["tests/schedulers/", "tests/pipelines/ddpm/test_ddpm.py", "tests/pipelines/ddim/test_ddim.py"],
 ]
 
 
@@ -226,10 +226,50 @@ def diffusers_setup(device, folder):
     return {"DIFFUSERS_TEST_DEVICE_SPEC": testing.SPEC_FILE}
 
 
+# Lifting a library's skips by their reason: the skips of tests that need an accelerator but
+# name the devices that may run them ("cuda", "xpu"), so that the tests run on openreg too. A
+# pytest skipif mark goes; a method under unittest's skip decorators (skipIf, skipUnless: they
+# put a wrapper that raises SkipTest in the method's place, marked __unittest_skip__) is put back
+# on its class unwrapped, down to a skip for another reason; a skip the test asks for itself
+# (self.skipTest(reason), after a device check in its body) is ignored. Shared by the plugins
+# below; the CPU runs load none of them.
+LIFT_SKIPS = """
+    # [docs:start PLUGIN_LIFT_SKIPS]
+    import unittest
+
+
+    def lift_skips(items, reasons):
+        for item in items:
+            item.own_markers[:] = [
+                m for m in item.own_markers
+                if not (m.name == "skipif" and m.kwargs.get("reason") in reasons)]
+            cls, name = getattr(item, "cls", None), getattr(item, "originalname", item.name)
+            function = lifted = getattr(cls, name, None)
+            while (getattr(lifted, "__unittest_skip_why__", None) in reasons
+                   and hasattr(lifted, "__wrapped__")):
+                lifted = lifted.__wrapped__
+            if lifted is not function:
+                setattr(cls, name, lifted)
+                item._obj = None  # pytest takes the method again
+
+
+    def lift_runtime_skips(reasons):
+        skip_test = unittest.TestCase.skipTest
+
+        def skipTest(self, reason):
+            if reason not in reasons:
+                skip_test(self, reason)
+
+        unittest.TestCase.skipTest = skipTest
+    # [docs:end PLUGIN_LIFT_SKIPS]
+"""
+
+
 # diffusers skips some accelerator-only tests (float16 and bfloat16 inference) unless the device
 # is "cuda" or "xpu" by name (docs/privateuse1_gaps.md). On openreg this plugin lifts exactly
 # those skips, by their reason, so that they run; the CPU run skips them as diffusers means to.
-DIFFUSERS_PLUGIN = """
+DIFFUSERS_PLUGIN = LIFT_SKIPS + """
+    # [docs:start PLUGIN_DIFFUSERS]
     DEVICE_LIST_SKIPS = (
         "float16 requires CUDA or XPU",
         "float16 and bfloat16 can only be use for inference with an accelerator",
@@ -237,13 +277,8 @@ DIFFUSERS_PLUGIN = """
 
 
     def pytest_collection_modifyitems(config, items):
-        for item in items:
-            function = getattr(getattr(item, "obj", None), "__func__", getattr(item, "obj", None))
-            if getattr(function, "__unittest_skip_why__", None) in DEVICE_LIST_SKIPS:
-                function.__unittest_skip__ = False  # unittest.skipIf(torch_device not in [...])
-            item.own_markers[:] = [
-                m for m in item.own_markers
-                if not (m.name == "skipif" and m.kwargs.get("reason") in DEVICE_LIST_SKIPS)]
+        lift_skips(items, DEVICE_LIST_SKIPS)
+    # [docs:end PLUGIN_DIFFUSERS]
 """
 
 
@@ -259,7 +294,12 @@ ACCELERATE_SELECTION = [
 # of devices by name (docs/privateuse1_gaps.md): on openreg it says "cpu", and every
 # require_non_cpu test is skipped. This plugin points it at openreg before the test modules
 # import it (ACCELERATE_TORCH_DEVICE=openreg points accelerate's own runtime there).
-ACCELERATE_PLUGIN = """
+#
+# It also lifts, by their reason, the skips of the tests that need an accelerator but name CUDA
+# and XPU (accelerate's require_cuda_or_xpu and require_multi_gpu_or_xpu, and two tests of
+# test_hooks.py that check torch.cuda and XPU in their body; docs/privateuse1_gaps.md).
+ACCELERATE_PLUGIN = LIFT_SKIPS + """
+    # [docs:start PLUGIN_ACCELERATE]
     import torch
     import accelerate.test_utils as accelerate_test_utils
     import accelerate.test_utils.testing as accelerate_testing
@@ -272,6 +312,18 @@ ACCELERATE_PLUGIN = """
     accelerate_testing.get_backend = _backend
     for module in (accelerate_testing, accelerate_test_utils):
         module.torch_device, module.device_count, module.memory_allocated_func = _backend()
+
+    DEVICE_LIST_SKIPS = (
+        "test requires a CUDA GPU or XPU",
+        "test requires multiple GPUs or XPUs",
+        "CUDA or XPU not available for offload test.",
+    )
+    lift_runtime_skips(DEVICE_LIST_SKIPS)
+
+
+    def pytest_collection_modifyitems(config, items):
+        lift_skips(items, DEVICE_LIST_SKIPS)
+    # [docs:end PLUGIN_ACCELERATE]
 """
 
 
@@ -319,11 +371,14 @@ LIBRARIES = {
         # the clone's diffusers whatever is installed (0.40.0, the release after the commit,
         # differs from it in 16 files).
         "install": ["diffusers==0.40.0"],
-        # imported by src/ and tests/
-        "extra": ["httpx", "httpcore", "h11", "parameterized", "requests_mock"],
+        # imported by src/ and tests/; scipy by the schedulers' beta_sigmas and by
+        # test_compatibles (schedulers that import it); torchsde (and its trampoline) by the
+        # SDE schedulers' tests, skipped without it
+        "extra": ["httpx", "httpcore", "h11", "parameterized", "requests_mock", "scipy",
+                  "torchsde", "trampoline"],
         "selection": DIFFUSERS_SELECTION,
         "why": "model tests of UNet2DModel, AutoencoderKL and DiT's Transformer2DModel; the tests "
-               "of 3 schedulers; the DDPM and DDIM pipelines",
+               "of every scheduler (tests/schedulers/); the DDPM and DDIM pipelines",
         "env": {},
         "setup": diffusers_setup,
         "plugins": {"openreg": {"openreg_diffusers_switch": DIFFUSERS_PLUGIN}},
@@ -335,7 +390,10 @@ LIBRARIES = {
         "extra": ["parameterized"],  # imported by tests/
         "selection": ACCELERATE_SELECTION,
         "why": "the test files of big modeling, hooks, modeling utils and memory utils, whole",
-        "env": {"openreg": {"ACCELERATE_TORCH_DEVICE": "openreg"}},
+        # The tied-weights memory tests (two of those lifted) fill the device's free memory but
+        # for what the model needs: a device of 1 GB (8 by default) keeps that within the
+        # machine's RAM.
+        "env": {"openreg": {"ACCELERATE_TORCH_DEVICE": "openreg", "OPENREG_DEVICE_MEMORY": "1GB"}},
         "plugins": {"openreg": {"openreg_accelerate_switch": ACCELERATE_PLUGIN}},
     },
 }
