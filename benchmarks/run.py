@@ -6,7 +6,7 @@
 Rounds alternate CPU and openreg so that both see the same machine load; the reported time is
 the median over all measured steps, the ratio is openreg / CPU. Targets (the README's
 speed targets): training steps within 1.1x of the CPU with OMP_NUM_THREADS=1, 1.25x with
-the default settings; the tiny-op loop within 1.5x.
+the default settings; the tiny-op loop within 1.3x (issue 41).
 
 --phases also prints the median forward, backward and optimizer time of the training steps, and
 where openreg's backward time went on the device thread (a line under the table per workload):

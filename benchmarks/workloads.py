@@ -162,12 +162,12 @@ def transformer(device: str, phases: list | None = None) -> Step:
                        phases=phases)
 
 
-# The project's speed targets (README): tiny operators within 1.5x of the CPU; training steps
-# within 1.1x with one OpenMP thread on both sides (the per-operator cost openreg controls), 1.25x
-# with the default settings.
+# The project's speed targets (README): tiny operators within 1.3x of the CPU (issue 41); training
+# steps within 1.1x with one OpenMP thread on both sides (the per-operator cost openreg controls),
+# 1.25x with the default settings.
 TRAIN_TARGET = 1.1 if torch.get_num_threads() == 1 else 1.25
 WORKLOADS = {
-    "tiny_adds": (tiny_adds, 1.5),  # (builder, target ratio openreg/cpu)
+    "tiny_adds": (tiny_adds, 1.3),  # (builder, target ratio openreg/cpu)
     "mlp_train_step": (mlp, TRAIN_TARGET),
     "cnn_train_step": (cnn, TRAIN_TARGET),
     "transformer_train_step": (transformer, TRAIN_TARGET),

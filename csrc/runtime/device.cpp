@@ -28,6 +28,7 @@ const cpu_set_t g_process_affinity = [] {
 const cpu_set_t& process_affinity() { return g_process_affinity; }
 namespace detail {
 bool g_bad_fork = false;
+std::atomic<int> g_known_device_count{0};
 }
 
 namespace {
@@ -104,7 +105,12 @@ void mark_child_after_fork() {
 }  // namespace
 
 int device_count() noexcept {
-  static const int count = read_device_count();
+  static const int count = [] {
+    const int n = read_device_count();
+    // check_device's inline test from now on
+    detail::g_known_device_count.store(n, std::memory_order_relaxed);
+    return n;
+  }();
   return count;
 }
 
@@ -117,7 +123,9 @@ size_t device_capacity() {
 // [docs:start CHECK_DEVICE]
 // An index out of range is an error of the device runtime, as CUDA's "invalid device ordinal":
 // c10::AcceleratorError, which Python sees as torch.AcceleratorError (a RuntimeError).
-void check_device(int index) {
+// (check_device, inline in device.h, comes here for the first check and for an index out of
+// range.)
+void detail::check_device_slow(int index) {
   if (index >= 0 && index < device_count()) return;
   constexpr int32_t kInvalidDevice = 101;  // the number CUDA uses for an invalid device ordinal
   throw c10::AcceleratorError(

@@ -4,6 +4,7 @@
 
 #include <sched.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -14,8 +15,10 @@ namespace openreg {
 int device_count() noexcept;
 
 // Throws c10::AcceleratorError (Python torch.AcceleratorError, a RuntimeError) naming the index
-// and the count when out of range, as CUDA does for an invalid device ordinal.
-void check_device(int index);
+// and the count when out of range, as CUDA does for an invalid device ordinal. Inline: a tiny
+// operator checks its device about five times (route, stream, allocator), and the out-of-line
+// call with device_count()'s guard was 140 instructions of a 4-element add (docs/fallback.md).
+inline void check_device(int index);
 
 // The calling thread's current device (starts at 0, like CUDA).
 int current_device() noexcept;
@@ -44,7 +47,17 @@ size_t device_capacity();
 namespace detail {
 void raise_bad_fork();
 extern bool g_bad_fork;
+// device_count() once it has been asked (0 before): the count is fixed from its first call on.
+extern std::atomic<int> g_known_device_count;
+// The first check (which reads the count) and every failing one.
+void check_device_slow(int index);
 }  // namespace detail
+
+inline void check_device(int index) {
+  const int known = detail::g_known_device_count.load(std::memory_order_relaxed);
+  if (__builtin_expect(unsigned(index) < unsigned(known), true)) return;
+  detail::check_device_slow(index);
+}
 
 inline void check_not_forked() {
   if (__builtin_expect(detail::g_bad_fork, false)) detail::raise_bad_fork();

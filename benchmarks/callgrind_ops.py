@@ -1,0 +1,101 @@
+"""Instructions per call of tiny operators on the CPU and on openreg, counted with callgrind.
+
+    python benchmarks/callgrind_ops.py [--out DIR]
+
+Wall-clock ratios of tiny operators move with the machine's load; instruction counts do not.
+This runs itself under `valgrind --tool=callgrind --collect-atstart=no` (valgrind must be
+installed) with OMP_NUM_THREADS=1, and counts, for each device, a block of calls of each
+workload with collection switched on around it only (torch's `_valgrind_toggle`), after 200
+calls of warm-up: 2,000 chained adds `y = y + x` of 4 float32 elements (what
+`benchmarks/run.py tiny_adds` times), 2,000 `torch.add(a, b)`, 100 `_foreach_add_` and 50
+`_fused_adam_` over 100 tensors of 16 elements. It prints the instructions per call and the ratio
+openreg / CPU. The callgrind files stay in DIR (default: a temporary directory) for
+`callgrind_annotate --inclusive=yes DIR/cg.out.<n>`. Takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+WORKLOADS = [("chain `y = y + x`, 4 elements", 2000), ("`torch.add(a, b)`, 4 elements", 2000),
+             ("`_foreach_add_`, 100 x 16", 100), ("`_fused_adam_`, 100 x 16", 50)]
+DEVICES = ("cpu", "openreg:0")
+
+
+def blocks(torch, dev):
+    x = torch.ones(4, device=dev)
+    state = {"y": x}
+
+    def chain():
+        state["y"] = state["y"] + x
+
+    a, b = torch.rand(4, device=dev), torch.rand(4, device=dev)
+    lists = [[torch.rand(16, device=dev) for _ in range(100)] for _ in range(4)]
+    m1, m2 = ([torch.zeros(16, device=dev) for _ in range(100)] for _ in range(2))
+    steps = [torch.zeros((), device=dev) for _ in range(100)]
+
+    def adam():
+        torch._fused_adam_(lists[2], lists[3], m1, m2, [], steps, lr=1e-3, beta1=0.9,
+                           beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                           maximize=False)
+
+    return [chain, lambda: torch.add(a, b), lambda: torch._foreach_add_(lists[0], lists[1]), adam]
+
+
+def child() -> None:
+    import torch
+    for dev in DEVICES:
+        for (name, n), f in zip(WORKLOADS, blocks(torch, dev)):
+            for _ in range(200):
+                f()
+            if dev != "cpu":
+                torch.openreg.synchronize()
+            torch._C._valgrind_toggle()
+            for _ in range(n):
+                f()
+            torch._C._valgrind_toggle_and_dump_stats()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="directory for the callgrind files")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child()
+        return
+    out = args.out or tempfile.mkdtemp(prefix="callgrind_ops.")
+    os.makedirs(out, exist_ok=True)
+    for f in glob.glob(os.path.join(out, "cg.out*")):
+        os.remove(f)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
+                    f"--callgrind-out-file={os.path.join(out, 'cg.out')}", sys.executable,
+                    os.path.abspath(__file__), "--child"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dumps = sorted(glob.glob(os.path.join(out, "cg.out.*")), key=lambda f: int(f.rsplit(".", 1)[1]))
+    counts = []
+    for f in dumps:
+        with open(f) as fh:
+            m = re.search(r"^(?:summary|totals): (\d+)", fh.read(), re.M)
+        counts.append(int(m.group(1)))
+    assert len(counts) == len(DEVICES) * len(WORKLOADS), f"{len(counts)} dumps in {out}"
+    import torch
+    print(f"torch {torch.__version__}, OMP_NUM_THREADS=1, instructions per call (callgrind, {out})")
+    print()
+    print("| workload | cpu | openreg | ratio |")
+    print("|---|---|---|---|")
+    k = len(WORKLOADS)
+    for i, (name, n) in enumerate(WORKLOADS):
+        cpu, dev = counts[i] / n, counts[k + i] / n
+        print(f"| {name} | {cpu:,.0f} | {dev:,.0f} | {dev / cpu:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
