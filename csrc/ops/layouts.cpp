@@ -175,7 +175,9 @@ class LayoutSession {
       auto* impl = static_cast<at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
       cpu = twin_shell(t.dtype());
       auto* cimpl = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
-      cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
+      if (cimpl->sparse_dim() != impl->sparse_dim() || cimpl->dense_dim() != impl->dense_dim() ||
+          cimpl->sizes() != t.sizes())  // a shell keeps the shape of its last twin
+        cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
       cimpl->set_indices_and_values_unsafe(kernel_.alias(impl->indices()),
                                            kernel_.alias(impl->values()));
       cimpl->set_coalesced(impl->coalesced());
