@@ -185,8 +185,9 @@ def test_metadata_operators_skip_the_fallback():
 
 def test_twin_shells_and_results_in_place():
     """The fallback reuses the SparseTensorImpl of an earlier call's CPU twin and makes a fresh
-    COO result the device tensor in place (docs/layouts.md, "Cost"); every result is still the
-    CPU's, owns its own members, and no device memory outlives the tensors that hold it."""
+    result (COO or strided) the device tensor in place (docs/layouts.md, "Cost"); every result is
+    still the CPU's, owns its own members, and no device memory outlives the tensors that hold
+    it."""
     import torch_openreg
 
     def calls(route):
@@ -199,6 +200,7 @@ def test_twin_shells_and_results_in_place():
     d64_cpu, d64_dev = cpu.double(), dev.double()
     index = torch.tensor([0, 2, 1])
     shells, in_place = calls("twin_shell"), calls("result_in_place")
+    dense_in_place = calls("dense_result_in_place")
     results = []
     for _ in range(3):
         for c, d in ((cpu, dev), (h_cpu, h_dev), (d64_cpu, d64_dev)):
@@ -207,6 +209,7 @@ def test_twin_shells_and_results_in_place():
             results.append((d * 2.0, c * 2.0))
             results.append((d.to_dense(), c.to_dense()))
     assert calls("twin_shell") - shells >= 30 and calls("result_in_place") - in_place >= 27
+    assert calls("dense_result_in_place") - dense_in_place >= 9  # to_dense
     for got, want in results:  # later calls did not change earlier results
         same(got, want)
     assert len({r._values().data_ptr() for r, _ in results if r.is_sparse}) == 27

@@ -101,9 +101,11 @@ struct SparseDevice : c10::TensorImpl {
 };
 
 // Calls that reused a twin's shell and results made device tensors in place, for tests
-// (`_route_calls("layouts.twin_shell")`, `_route_calls("layouts.result_in_place")`).
+// (`_route_calls("layouts.twin_shell")`, `"layouts.result_in_place"` for COO results,
+// `"layouts.dense_result_in_place"` for strided ones).
 std::atomic<int64_t>& g_twin_shells = call_counter("layouts.twin_shell");
 std::atomic<int64_t>& g_sparse_results_in_place = call_counter("layouts.result_in_place");
+std::atomic<int64_t>& g_dense_results_in_place = call_counter("layouts.dense_result_in_place");
 
 // [docs:start TWIN_SHELLS]
 // The SparseTensorImpl of a COO twin outlives its call, empty: at the end of the call, if nothing
@@ -236,7 +238,12 @@ class LayoutSession {
     if (!is_layout_tensor(cpu)) {
       TORCH_CHECK_NOT_IMPLEMENTED(cpu.layout() == c10::kStrided,
                                   "openreg does not support the layout ", cpu.layout());
-      return kernel_.result(cpu);
+      // Moved: a fresh dense result becomes the device tensor in place (RESULT_IN_PLACE).
+      const c10::TensorImpl* made = cpu.unsafeGetTensorImpl();
+      at::Tensor device = kernel_.result(std::move(cpu));
+      if (device.unsafeGetTensorImpl() == made)
+        g_dense_results_in_place.fetch_add(1, std::memory_order_relaxed);
+      return device;
     }
     c10::DeviceGuard guard(c10::Device(kOpenReg, static_cast<c10::DeviceIndex>(device_)));
     if (cpu.is_sparse() && sparse_result_in_place(cpu)) return cpu;
