@@ -183,6 +183,55 @@ def test_metadata_operators_skip_the_fallback():
     assert on1.device == torch.device("openreg:1") and on1._values().device == on1.device
 
 
+def test_twin_shells_and_results_in_place():
+    """The fallback reuses the SparseTensorImpl of an earlier call's CPU twin and makes a fresh
+    result (COO or strided) the device tensor in place (docs/layouts.md, "Cost"); every result is
+    still the CPU's, owns its own members, and no device memory outlives the tensors that hold
+    it."""
+    import torch_openreg
+
+    def calls(route):
+        return torch_openreg._C._route_calls("layouts." + route)
+
+    torch.openreg.synchronize()
+    memory = torch.openreg.memory_allocated()
+    cpu, dev = coo_pair(nnz=12)
+    h_cpu, h_dev = coo_pair(shape=(3, 4), dense_dims=(2,), seed=3)
+    d64_cpu, d64_dev = cpu.double(), dev.double()
+    index = torch.tensor([0, 2, 1])
+    shells, in_place = calls("twin_shell"), calls("result_in_place")
+    dense_in_place = calls("dense_result_in_place")
+    results = []
+    for _ in range(3):
+        for c, d in ((cpu, dev), (h_cpu, h_dev), (d64_cpu, d64_dev)):
+            results.append((d.coalesce(), c.coalesce()))
+            results.append((d.index_select(0, index.to(D)), c.index_select(0, index)))
+            results.append((d * 2.0, c * 2.0))
+            results.append((d.to_dense(), c.to_dense()))
+    assert calls("twin_shell") - shells >= 30 and calls("result_in_place") - in_place >= 27
+    assert calls("dense_result_in_place") - dense_in_place >= 9  # to_dense
+    for got, want in results:  # later calls did not change earlier results
+        same(got, want)
+    assert len({r._values().data_ptr() for r, _ in results if r.is_sparse}) == 27
+    # In place on a sparse tensor (the twin's members are replaced by the kernel), then more calls.
+    w_cpu, w_dev = cpu.clone(), dev.clone()
+    w_cpu.mul_(3.0).add_(cpu)
+    w_dev.mul_(3.0).add_(dev)
+    same(w_dev, w_cpu)
+    same(w_dev.coalesce(), w_cpu.coalesce())
+    same(w_dev.zero_(), w_cpu.zero_())
+    # A failing kernel leaves its twin to the stack it unwinds: later calls are unaffected.
+    with pytest.raises(IndexError) as dev_error:
+        dev.index_select(0, torch.tensor([9], device=D))
+    with pytest.raises(IndexError) as cpu_error:
+        cpu.index_select(0, torch.tensor([9]))
+    assert str(dev_error.value) == str(cpu_error.value)
+    same(dev.index_select(0, index.to(D)), cpu.index_select(0, index))
+    del results, dev, h_dev, d64_dev, w_dev, got, want, c, d
+    torch.openreg.synchronize()
+    assert torch.openreg.memory_allocated() == memory
+
+
 def test_hybrid_dense_dims():
     cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))
     same(dev.to_dense(), cpu.to_dense())

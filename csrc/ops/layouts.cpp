@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <iterator>
 #include <string_view>
+#include <typeinfo>
 
 namespace openreg {
 namespace {
@@ -93,11 +94,75 @@ at::Tensor host_metadata(const at::Tensor& t) {
 }
 // [docs:end HOST_METADATA]
 
+// A TensorImpl's device, which TensorImpl sets only when it is built (a SparseTensorImpl has no
+// storage for set_storage_keep_dtype to take it from).
+struct SparseDevice : c10::TensorImpl {
+  static constexpr auto device_opt() { return &SparseDevice::device_opt_; }
+};
+
+// Calls that reused a twin's shell and results made device tensors in place, for tests
+// (`_route_calls("layouts.twin_shell")`, `"layouts.result_in_place"` for COO results,
+// `"layouts.dense_result_in_place"` for strided ones).
+std::atomic<int64_t>& g_twin_shells = call_counter("layouts.twin_shell");
+std::atomic<int64_t>& g_sparse_results_in_place = call_counter("layouts.result_in_place");
+std::atomic<int64_t>& g_dense_results_in_place = call_counter("layouts.dense_result_in_place");
+
+// [docs:start TWIN_SHELLS]
+// The SparseTensorImpl of a COO twin outlives its call, empty: at the end of the call, if nothing
+// else holds it, it lets go of its members (the aliases, which must not outlive the call) and
+// waits in this thread's pool for the next twin of its dtype. A new SparseTensorImpl's constructor
+// allocates two empty members through the dispatcher only to have them replaced (about 3,500
+// instructions of a twin's 6,600, callgrind, issue 41). The shell gets its shape, members and flag
+// anew from each device tensor it stands for, through SparseTensorImpl's own setters.
+thread_local c10::SmallVector<at::Tensor, 4> t_twin_shells;
+
+at::Tensor twin_shell(caffe2::TypeMeta dtype) {
+  for (size_t i = 0; i < t_twin_shells.size(); ++i)
+    if (t_twin_shells[i].dtype() == dtype) {
+      at::Tensor shell = std::move(t_twin_shells[i]);
+      t_twin_shells.erase(t_twin_shells.begin() + i);
+      g_twin_shells.fetch_add(1, std::memory_order_relaxed);
+      return shell;
+    }
+  return at::detail::make_tensor<at::SparseTensorImpl>(
+      c10::DispatchKeySet(c10::DispatchKey::SparseCPU), dtype);
+}
+
+// The keys of a CPU SparseTensorImpl as its constructor sets them (SparseCPU, with the CPU's
+// autograd and autocast keys).
+c10::DispatchKeySet cpu_sparse_keys() {
+  static const c10::DispatchKeySet keys =
+      at::detail::make_tensor<at::SparseTensorImpl>(
+          c10::DispatchKeySet(c10::DispatchKey::SparseCPU), caffe2::TypeMeta::Make<float>())
+          .key_set();
+  return keys;
+}
+
+void return_shell(at::Tensor&& twin) {
+  const c10::DispatchKeySet fresh = cpu_sparse_keys();
+  auto* impl = twin.unsafeGetTensorImpl();
+  // Kept by the kernel (a result, a failing kernel's stack) or changed beyond what a twin sets
+  // (math bits, metadata locked): it goes, as every twin went before.
+  if (twin.use_count() != 1 || twin.weak_use_count() != 1 || impl->key_set() != fresh ||
+      impl->autograd_meta() != nullptr || impl->pyobj_slot()->load_pyobj() != nullptr ||
+      !impl->allow_tensor_metadata_change() || t_twin_shells.size() >= 4)
+    return;
+  impl->release_resources();  // its members only: a twin has no storage or autograd metadata
+  t_twin_shells.push_back(std::move(twin));
+}
+// [docs:end TWIN_SHELLS]
+
 // One operator call: the CPU twin of each openreg tensor argument (same layout, dense parts
 // aliasing device memory), and the openreg tensor of each CPU result.
 class LayoutSession {
  public:
   explicit LayoutSession(int device) : kernel_(device), device_(device) {}
+  // The twins' shells go back to this thread's pool (before kernel_ ends: their members, the
+  // aliases, must be released first, see HostKernel's ALIAS_CACHE_RETURN).
+  ~LayoutSession() {
+    for (Twin& p : twins_)
+      if (p.cpu.is_sparse()) return_shell(std::move(p.cpu));
+  }
 
   at::Tensor to_cpu(const at::Tensor& t) {
     if (!t.defined() || t.device().type() != kOpenReg) return t;
@@ -107,12 +172,14 @@ class LayoutSession {
     at::Tensor cpu;
     // [docs:start COO_TWIN]
     if (t.is_sparse()) {
-      // COO: indices and values, the CPU kernel's own SparseTensorImpl around their aliases.
+      // COO: indices and values, the CPU kernel's own SparseTensorImpl around their aliases (a
+      // shell of an earlier call's twin when one is free: TWIN_SHELLS).
       auto* impl = static_cast<at::SparseTensorImpl*>(t.unsafeGetTensorImpl());
-      cpu = at::detail::make_tensor<at::SparseTensorImpl>(
-          c10::DispatchKeySet(c10::DispatchKey::SparseCPU), t.dtype());
+      cpu = twin_shell(t.dtype());
       auto* cimpl = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
-      cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
+      if (cimpl->sparse_dim() != impl->sparse_dim() || cimpl->dense_dim() != impl->dense_dim() ||
+          cimpl->sizes() != t.sizes())  // a shell keeps the shape of its last twin
+        cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
       cimpl->set_indices_and_values_unsafe(kernel_.alias(impl->indices()),
                                            kernel_.alias(impl->values()));
       cimpl->set_coalesced(impl->coalesced());
@@ -171,9 +238,15 @@ class LayoutSession {
     if (!is_layout_tensor(cpu)) {
       TORCH_CHECK_NOT_IMPLEMENTED(cpu.layout() == c10::kStrided,
                                   "openreg does not support the layout ", cpu.layout());
-      return kernel_.result(cpu);
+      // Moved: a fresh dense result becomes the device tensor in place (RESULT_IN_PLACE).
+      const c10::TensorImpl* made = cpu.unsafeGetTensorImpl();
+      at::Tensor device = kernel_.result(std::move(cpu));
+      if (device.unsafeGetTensorImpl() == made)
+        g_dense_results_in_place.fetch_add(1, std::memory_order_relaxed);
+      return device;
     }
     c10::DeviceGuard guard(c10::Device(kOpenReg, static_cast<c10::DeviceIndex>(device_)));
+    if (cpu.is_sparse() && sparse_result_in_place(cpu)) return cpu;
     at::Tensor device;
     if (cpu.is_sparse()) {
       device = at::detail::make_tensor<at::SparseTensorImpl>(
@@ -215,6 +288,37 @@ class LayoutSession {
     // Nested kernels write the buffer in place; their metadata does not change.
   }
   // [docs:end ADOPT_MEMBERS]
+
+  // [docs:start SPARSE_RESULT_IN_PLACE]
+  // A fresh COO result nobody else holds becomes the device tensor itself, as a dense result does
+  // (HostKernel::result): its SparseTensorImpl changes device, and so do its indices and values
+  // where they are fresh device memory too (otherwise they become the device tensors they alias).
+  // A new device SparseTensorImpl would allocate two empty members through the dispatcher only to
+  // replace them (about 8,000 instructions per result, callgrind, issue 41).
+  bool sparse_result_in_place(at::Tensor& cpu) {
+    auto* c = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
+    if (cpu.use_count() != 1 || cpu.weak_use_count() != 1 ||
+        typeid(*c) != typeid(at::SparseTensorImpl) || c->key_set() != cpu_sparse_keys() ||
+        c->autograd_meta() != nullptr || c->pyobj_slot()->load_pyobj() != nullptr ||
+        !c->allow_tensor_metadata_change())
+      return false;
+    at::Tensor indices = c->indices();
+    at::Tensor values = c->values();
+    const bool coalesced = c->coalesced();
+    // The container lets go of its members (nothing else of it is released: it has no storage,
+    // autograd metadata or Python object), so that the members' only owners are these handles.
+    c->release_resources();
+    indices = kernel_.result(std::move(indices));
+    values = kernel_.result(std::move(values));
+    const c10::Device dev(kOpenReg, static_cast<c10::DeviceIndex>(device_));
+    c->_change_backend_component_keys(dev);
+    c->*SparseDevice::device_opt() = dev;
+    c->set_indices_and_values_unsafe(indices, values);
+    c->set_coalesced(coalesced);
+    g_sparse_results_in_place.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  // [docs:end SPARSE_RESULT_IN_PLACE]
 
   struct Twin {
     at::Tensor cpu;
