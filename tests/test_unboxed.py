@@ -378,8 +378,6 @@ SINGLE_CALLS = {
     # scalars, read on the host, hundreds of calls per step.
     "dot": lambda a, b: a[0].dot(b[1]),
     "max": lambda a, b: a.max(),
-    "clone": lambda a, b: a.t().clone(),
-    "clone_contiguous": lambda a, b: a.t().clone(memory_format=torch.contiguous_format),
     "reciprocal": lambda a, b: b.reciprocal(),
     "lt_Scalar": lambda a, b: a < 0.5,
     "le_Scalar": lambda a, b: a <= 0.5,

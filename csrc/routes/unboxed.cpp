@@ -345,7 +345,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
 // The operators the route serves: the most frequent small operators of test suites, gradchecks
 // and optimizer steps (element-wise arithmetic, foreach and fused optimizer kernels, matrix
 // products, activations and their backward, reductions, softmax, the element-wise kernels of
-// the for-loop forms of Adam and AdamW, and the dot products, comparisons and copies of LBFGS's
+// the for-loop forms of Adam and AdamW, and the dot products, reductions and comparisons of LBFGS's
 // line search, each called hundreds of times per step on 0-dim and 2-element tensors).
 #define OPENREG_UNBOXED_OPS(X)                                                      \
   X(add_Tensor) X(add__Tensor) X(sub_Tensor) X(sub__Tensor) X(mul_Tensor)           \
@@ -361,7 +361,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   X(tanh_backward) X(sigmoid_backward) X(threshold_backward)                       \
   X(lerp__Scalar) X(addcmul_) X(addcdiv_) X(sqrt) X(rsqrt) X(div__Scalar)          \
   X(div_Scalar) X(eq_Scalar) X(gt_Scalar) X(sum) X(linalg_vector_norm) X(clamp_min)   \
-  X(dot) X(max) X(clone) X(reciprocal) X(lt_Scalar) X(le_Scalar) X(ge_Scalar)       \
+  X(dot) X(max) X(reciprocal) X(lt_Scalar) X(le_Scalar) X(ge_Scalar)                \
   X(lt_Tensor) X(le_Tensor)
 // [docs:end UNBOXED_OPS]
 
