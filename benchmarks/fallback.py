@@ -1,6 +1,6 @@
 """The generic fallback's fixed costs, per call and per tensor in a list, side by side with the CPU.
 
-    python benchmarks/fallback.py [--rounds R] [--steps N] [--device openreg:0] [workload ...]
+    python benchmarks/fallback.py [--rounds R] [--steps N] [--device openreg:0] [--backward-on-caller] [workload ...]
 
 People run test suites and optimizer steps on openreg: thousands of short calls on tiny tensors,
 tensor-list operators (foreach, fused optimizers) over hundreds of small parameters, gradchecks.
@@ -248,9 +248,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", default="openreg:0")
+    # How much of a workload's gap is backward's handoff to the device thread and back (LBFGS:
+    # 25 tiny backwards per step): the same run with backward on the caller's thread for both
+    # devices. Not openreg's configuration (docs/autograd.md, "LBFGS: many tiny backwards").
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="autograd multithreading off for both devices (not openreg's setup)")
     args = parser.parse_args()
+    if args.backward_on_caller:
+        torch.autograd.set_multithreading_enabled(False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{os.cpu_count()} cores, device {args.device}\n")
+    if args.backward_on_caller:
+        print("backward on the calling thread (autograd multithreading off): not openreg's "
+              "configuration\n")
     print("| workload | cpu | openreg | ratio | target |")
     print("|---|---|---|---|---|")
     failed = False

@@ -115,6 +115,31 @@ def test_repr_item_tolist(device):
     assert str(torch.arange(3, device=device)) == f"tensor([0, 1, 2], device='{device}')"
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.int32,
+                                   torch.bool, torch.float16, torch.bfloat16, torch.complex64,
+                                   torch.int8, torch.uint8])
+def test_item_of_every_dtype_view_and_math_bit_matches_the_cpu(device, dtype):
+    # A plain tensor of a common dtype is read from device memory directly (minimal_ops.cpp,
+    # HOST_READ); views at an offset, other dtypes and the conjugate and negative bits go
+    # through the CPU's kernel. Each gives what the CPU gives.
+    base = torch.tensor([[1.5, -2.25], [3.0, 0.0]]).to(dtype)
+    if dtype.is_complex:
+        base = base + 1j * base.flip(0)
+    for dev_tensor, cpu_tensor in ((base.to(device), base),):
+        for pick in (lambda t: t[1, 0], lambda t: t[0, 1], lambda t: t[1, 1:], lambda t: t.t()[1][0],
+                     lambda t: t[1, 0].expand(1, 1), lambda t: t.sum() if dtype != torch.bool else t[0, 0]):
+            c, d = pick(cpu_tensor), pick(dev_tensor)
+            assert d.item() == c.item() and type(d.item()) is type(c.item())
+            assert torch.ops.aten._local_scalar_dense(d) == torch.ops.aten._local_scalar_dense(c)
+    if dtype.is_complex:
+        c, d = base[1, 0].conj(), base.to(device)[1, 0].conj()
+        assert d.is_conj() and d.item() == c.item()
+    if dtype.is_floating_point or dtype.is_complex:
+        c, d = base[0, 1]._neg_view(), base.to(device)[0, 1]._neg_view()
+        assert d.is_neg() and d.item() == c.item()
+
+
 # ---- indexing ----
 
 def test_indexing_and_index_assignment(device):

@@ -374,6 +374,16 @@ SINGLE_CALLS = {
     "sum_dtype": lambda a, b: a.sum(dtype=torch.float64),
     "vector_norm": lambda a, b: torch.linalg.vector_norm(a, 2.0, (0,), True),
     "clamp_min": lambda a, b: a.clamp_min(0.5),
+    # LBFGS's line search (issue 41): dot products, reductions to a scalar and comparisons of
+    # scalars, read on the host, hundreds of calls per step.
+    "dot": lambda a, b: a[0].dot(b[1]),
+    "max": lambda a, b: a.max(),
+    "reciprocal": lambda a, b: b.reciprocal(),
+    "lt_Scalar": lambda a, b: a < 0.5,
+    "le_Scalar": lambda a, b: a <= 0.5,
+    "ge_Scalar": lambda a, b: a >= 0.5,
+    "lt_Tensor": lambda a, b: a < b,
+    "le_Tensor": lambda a, b: a <= b,
     "noncontiguous": lambda a, b: a.t().lerp_(b, 0.5),
     # The out= products Inductor's generated code calls (extern kernels).
     "mm_out": lambda a, b: torch.mm(a, b, out=torch.empty(3, 3, device=a.device)),

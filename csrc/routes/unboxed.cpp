@@ -344,8 +344,9 @@ struct UnboxedRoute<Op, Ret(Args...)> {
 // [docs:start UNBOXED_OPS]
 // The operators the route serves: the most frequent small operators of test suites, gradchecks
 // and optimizer steps (element-wise arithmetic, foreach and fused optimizer kernels, matrix
-// products, activations and their backward, reductions, softmax, and the element-wise kernels of
-// the for-loop forms of Adam and AdamW).
+// products, activations and their backward, reductions, softmax, the element-wise kernels of
+// the for-loop forms of Adam and AdamW, and the dot products, reductions and comparisons of LBFGS's
+// line search, each called hundreds of times per step on 0-dim and 2-element tensors).
 #define OPENREG_UNBOXED_OPS(X)                                                      \
   X(add_Tensor) X(add__Tensor) X(sub_Tensor) X(sub__Tensor) X(mul_Tensor)           \
   X(mul__Tensor) X(div_Tensor) X(div__Tensor)                                       \
@@ -359,7 +360,9 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   X(sum_dim_IntList) X(mean_dim) X(_softmax) X(_log_softmax) X(_softmax_backward_data) \
   X(tanh_backward) X(sigmoid_backward) X(threshold_backward)                       \
   X(lerp__Scalar) X(addcmul_) X(addcdiv_) X(sqrt) X(rsqrt) X(div__Scalar)          \
-  X(div_Scalar) X(eq_Scalar) X(gt_Scalar) X(sum) X(linalg_vector_norm) X(clamp_min)
+  X(div_Scalar) X(eq_Scalar) X(gt_Scalar) X(sum) X(linalg_vector_norm) X(clamp_min)   \
+  X(dot) X(max) X(reciprocal) X(lt_Scalar) X(le_Scalar) X(ge_Scalar)                \
+  X(lt_Tensor) X(le_Tensor)
 // [docs:end UNBOXED_OPS]
 
 std::deque<std::string>& names() {
