@@ -16,12 +16,12 @@ openreg / CPU. The callgrind files stay in DIR (default: a temporary directory) 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import re
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from callgrind import count_block, run_under_callgrind  # noqa: E402
 
 WORKLOADS = [("chain `y = y + x`, 4 elements", 2000), ("`torch.add(a, b)`, 4 elements", 2000),
              ("`_foreach_add_`, 100 x 16", 100), ("`_fused_adam_`, 100 x 16", 50)]
@@ -51,15 +51,8 @@ def blocks(torch, dev):
 def child() -> None:
     import torch
     for dev in DEVICES:
-        for (name, n), f in zip(WORKLOADS, blocks(torch, dev)):
-            for _ in range(200):
-                f()
-            if dev != "cpu":
-                torch.openreg.synchronize()
-            torch._C._valgrind_toggle()
-            for _ in range(n):
-                f()
-            torch._C._valgrind_toggle_and_dump_stats()
+        for (_, n), f in zip(WORKLOADS, blocks(torch, dev)):
+            count_block(f, n, dev)
 
 
 def main() -> None:
@@ -71,20 +64,8 @@ def main() -> None:
         child()
         return
     out = args.out or tempfile.mkdtemp(prefix="callgrind_ops.")
-    os.makedirs(out, exist_ok=True)
-    for f in glob.glob(os.path.join(out, "cg.out*")):
-        os.remove(f)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
-                    f"--callgrind-out-file={os.path.join(out, 'cg.out')}", sys.executable,
-                    os.path.abspath(__file__), "--child"], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    dumps = sorted(glob.glob(os.path.join(out, "cg.out.*")), key=lambda f: int(f.rsplit(".", 1)[1]))
-    counts = []
-    for f in dumps:
-        with open(f) as fh:
-            m = re.search(r"^(?:summary|totals): (\d+)", fh.read(), re.M)
-        counts.append(int(m.group(1)))
+    counts = run_under_callgrind(__file__, ["--child"], out,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert len(counts) == len(DEVICES) * len(WORKLOADS), f"{len(counts)} dumps in {out}"
     import torch
     print(f"torch {torch.__version__}, OMP_NUM_THREADS=1, instructions per call (callgrind, {out})")

@@ -19,15 +19,16 @@ the machine's load: what tells two builds apart when the timings cannot (needs v
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from callgrind import count_block, run_under_callgrind  # noqa: E402
 
 
 def per_call_ns(step, calls: int) -> float:
@@ -49,38 +50,21 @@ def workloads(device: str) -> dict:
 
 
 def count_under_callgrind(calls: int) -> None:
-    """Inside valgrind: each workload's calls between two toggles of collection, one dump each."""
+    """Inside valgrind: each workload's calls in a block of its own (benchmarks/callgrind.py)."""
     for device in ("cpu", "openreg:0"):
-        for name, step in workloads(device).items():
-            for _ in range(200):
-                step()
-            if device != "cpu":
-                torch.openreg.synchronize()
-            torch._C._valgrind_toggle()
-            for _ in range(calls):
-                step()
-            torch._C._valgrind_toggle_and_dump_stats()
-            print(f"{device}\t{name}", flush=True)
+        for step in workloads(device).values():
+            count_block(step, calls, device)
 
 
 def instructions(calls: int) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "callgrind.out")
-        child = subprocess.run(
-            ["valgrind", "--tool=callgrind", "--collect-atstart=no", f"--callgrind-out-file={out}",
-             sys.executable, __file__, "--under-callgrind", "--calls", str(calls)],
-            capture_output=True, text=True, check=True)
-        order = [line.split("\t") for line in child.stdout.splitlines() if "\t" in line]
-        counts = []
-        for n in range(1, len(order) + 1):  # callgrind numbers its dumps out.1, out.2, ...
-            (dump,) = glob.glob(f"{out}.{n}")
-            with open(dump) as f:
-                summary = next(line for line in f if line.startswith("summary:"))
-            counts.append(int(summary.split()[1]) / calls)
-    per = {(device, name): count for (device, name), count in zip(order, counts)}
+        counts = run_under_callgrind(__file__, ["--under-callgrind", "--calls", str(calls)],
+                                     folder)
+    names = list(workloads("cpu"))
+    assert len(counts) == 2 * len(names), f"{len(counts)} callgrind dumps"
     print(f"{'workload':22} {'cpu instr':>10} {'openreg instr':>14} {'ratio':>6}")
-    for name in workloads("cpu"):
-        c, o = per[("cpu", name)], per[("openreg:0", name)]
+    for name, c, o in zip(names, counts, counts[len(names):]):
+        c, o = c / calls, o / calls
         print(f"{name:22} {c:10.0f} {o:14.0f} {o / c:6.2f}")
 
 
