@@ -138,16 +138,23 @@ c10::DispatchKeySet cpu_sparse_keys() {
   return keys;
 }
 
+// A CPU SparseTensorImpl only this handle holds, as its constructor made it (keys, no autograd
+// metadata, no Python object, metadata unlocked, no math bits): what a twin's shell may be reused
+// from and what a result may become the device tensor in place from.
+bool unshared_plain_cpu_sparse(const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return t.use_count() == 1 && t.weak_use_count() == 1 &&
+         typeid(*impl) == typeid(at::SparseTensorImpl) && impl->key_set() == cpu_sparse_keys() &&
+         impl->autograd_meta() == nullptr && impl->pyobj_slot()->load_pyobj() == nullptr &&
+         impl->allow_tensor_metadata_change();
+}
+
 void return_shell(at::Tensor&& twin) {
-  const c10::DispatchKeySet fresh = cpu_sparse_keys();
-  auto* impl = twin.unsafeGetTensorImpl();
   // Kept by the kernel (a result, a failing kernel's stack) or changed beyond what a twin sets
   // (math bits, metadata locked): it goes, as every twin went before.
-  if (twin.use_count() != 1 || twin.weak_use_count() != 1 || impl->key_set() != fresh ||
-      impl->autograd_meta() != nullptr || impl->pyobj_slot()->load_pyobj() != nullptr ||
-      !impl->allow_tensor_metadata_change() || t_twin_shells.size() >= 4)
-    return;
-  impl->release_resources();  // its members only: a twin has no storage or autograd metadata
+  if (!unshared_plain_cpu_sparse(twin) || t_twin_shells.size() >= 4) return;
+  // its members only: a twin has no storage or autograd metadata
+  twin.unsafeGetTensorImpl()->release_resources();
   t_twin_shells.push_back(std::move(twin));
 }
 // [docs:end TWIN_SHELLS]
@@ -296,12 +303,8 @@ class LayoutSession {
   // A new device SparseTensorImpl would allocate two empty members through the dispatcher only to
   // replace them (about 8,000 instructions per result, callgrind, issue 41).
   bool sparse_result_in_place(at::Tensor& cpu) {
+    if (!unshared_plain_cpu_sparse(cpu)) return false;
     auto* c = static_cast<at::SparseTensorImpl*>(cpu.unsafeGetTensorImpl());
-    if (cpu.use_count() != 1 || cpu.weak_use_count() != 1 ||
-        typeid(*c) != typeid(at::SparseTensorImpl) || c->key_set() != cpu_sparse_keys() ||
-        c->autograd_meta() != nullptr || c->pyobj_slot()->load_pyobj() != nullptr ||
-        !c->allow_tensor_metadata_change())
-      return false;
     at::Tensor indices = c->indices();
     at::Tensor values = c->values();
     const bool coalesced = c->coalesced();
