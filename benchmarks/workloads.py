@@ -24,20 +24,31 @@ def measure(step: Callable[[], object], n: int) -> list[float]:
 
 
 def bench(build: Callable[[str], Step], device: str, rounds: int, steps: int,
-          synchronize: bool = False) -> tuple[float, float]:
+          synchronize: bool = False, work: bool = False) -> tuple[float, ...]:
     """Median step times (CPU, device) of `build`'s steps, the two devices taking turns for
     `rounds` rounds of `steps` steps after a warm-up; `synchronize`: wait for the device's queued
-    work after each of its rounds (benchmarks/layouts.py)."""
+    work after each of its rounds (benchmarks/layouts.py).
+
+    `work`: also the process's CPU time per step (CPU, device), the median over the rounds: what
+    all of the process's threads ran, the device threads included, and not the time a thread
+    waited to be woken. Wall time over CPU time splits a ratio into work and waiting, and CPU time
+    moves less with the machine's load than wall time does."""
     step_of = {d: build(d) for d in ("cpu", device)}
     for step in step_of.values():  # warm-up: caches, allocator, autograd threads
         measure(step, max(3, steps // 4))
     times: dict[str, list[float]] = {d: [] for d in step_of}
+    cpu_times: dict[str, list[float]] = {d: [] for d in step_of}
     for _ in range(rounds):
         for d, step in step_of.items():
+            start = time.process_time()
             times[d] += measure(step, steps)
             if synchronize and d != "cpu":
                 torch.openreg.synchronize()
-    return statistics.median(times["cpu"]), statistics.median(times[device])
+            cpu_times[d].append((time.process_time() - start) / steps)
+    medians = statistics.median(times["cpu"]), statistics.median(times[device])
+    if work:
+        medians += statistics.median(cpu_times["cpu"]), statistics.median(cpu_times[device])
+    return medians
 
 
 def fmt_time(seconds: float) -> str:
