@@ -268,6 +268,20 @@ def test_layout_route_add_and_to_dense():
     (x_cpu + cpu).pow(2).sum().backward()
     same(x_dev.grad, x_cpu.grad)
     assert calls("direct") - direct == 10 and calls("fallback") == fallback
+    # a loop on the same tensors (the route's memo of their aliases), changed between calls
+    d_cpu, d_dev = dense.clone(), dense.to(D)
+    s_cpu, s_dev = cpu.clone(), dev.clone()
+    for i in range(4):
+        same(d_dev + s_dev, d_cpu + s_cpu)
+        same(s_dev.to_dense(), s_cpu.to_dense())
+        same(d_dev.add_(s_dev, alpha=0.5), d_cpu.add_(s_cpu, alpha=0.5))
+        s_dev.mul_(2.0)  # values written in place
+        s_cpu.mul_(2.0)
+        if i == 1:  # new members
+            s_cpu, s_dev = s_cpu.coalesce(), s_dev.coalesce()
+        if i == 2:  # new memory for the dense tensor
+            d_dev.set_(torch.randn(4, 5).to(D))
+            d_cpu.set_(d_dev.cpu())
     # the CPU's errors, type and message
     cases = [
         lambda d, s, dv: torch.zeros(4, 5, dtype=torch.long, device=dv).add_(s),

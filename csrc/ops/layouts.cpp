@@ -122,7 +122,7 @@ std::atomic<int64_t>& g_dense_results_in_place = call_counter("layouts.dense_res
 // waits in this thread's pool for the next twin of its dtype. A new SparseTensorImpl's constructor
 // allocates two empty members through the dispatcher only to have them replaced (about 3,500
 // instructions of a twin's 6,600, callgrind, issue 41). The shell gets its shape, members and flag
-// anew from each device tensor it stands for, through SparseTensorImpl's own setters.
+// anew from each device tensor it stands for (raw_resize_ for the shape, SET_MEMBERS for the rest).
 thread_local c10::SmallVector<at::Tensor, 4> t_twin_shells;
 
 at::Tensor twin_shell(caffe2::TypeMeta dtype) {
@@ -198,8 +198,10 @@ class LayoutSession {
   // unboxed kernel's arguments, LAYOUT_ROUTE), so the session borrows them instead of taking a
   // reference (for a tensor Python holds, a reference taken and dropped also takes and drops one
   // on its Python object, under the GIL: about 1,000 instructions per tensor, callgrind).
-  explicit LayoutSession(int device, bool caller_holds_arguments = false)
-      : kernel_(device), device_(device), borrow_(caller_holds_arguments) {
+  // `memo_site`: a call site's memo of the tensors it aliased last (HostKernel, ALIAS_MEMO), for
+  // a site that passes the same tensors call after call (a loop on one sparse tensor).
+  explicit LayoutSession(int device, bool caller_holds_arguments = false, int memo_site = -1)
+      : kernel_(device, memo_site), device_(device), borrow_(caller_holds_arguments) {
     if (borrow_) kernel_.caller_holds_arguments();
   }
   // The twins' shells go back to this thread's pool (before kernel_ ends: their members, the
@@ -498,8 +500,11 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // aliases, the same full dispatch to the CPU's kernel, the same errors, the write-back, results
 // made device tensors. Anything out of the ordinary (a tensor on another device or of another
 // layout, an undefined one, a sparse tensor written in place, a copy-on-write one written) is
-// boxed and handed to the fallback, which checks, refuses or runs it exactly as before.
+// boxed and handed to the fallback, which checks, refuses or runs it exactly as before. A loop on
+// the same tensors finds their aliases in the route's memo (HostKernel's ALIAS_MEMO).
+#define OPENREG_LAYOUT_ROUTES(X) X(add_Tensor) X(add__Tensor) X(_to_dense)
 std::atomic<int64_t>& g_layout_direct = call_counter("layouts.direct");
+// [docs:end LAYOUT_ROUTE]
 
 template <class Op, class Sig = typename Op::schema>
 struct LayoutRoute;
@@ -558,12 +563,18 @@ struct LayoutRoute<Op, Ret(Args...)> {
     }
   };
 
+  static int memo_site() {
+    static const int site = HostKernel::new_memo_site();
+    return site;
+  }
+
   static Ret boxed(c10::DispatchKeySet ks, Args... args) {
     return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(
         c10::BoxedKernel::makeFromFunction<&layout_fallback>(), op(), ks,
         std::forward<Args>(args)...);
   }
 
+  // [docs:start LAYOUT_ROUTE_CALL]
   static Ret call(c10::DispatchKeySet ks, Args... args) {
     const auto& w = writes();
     Check c;
@@ -586,7 +597,7 @@ struct LayoutRoute<Op, Ret(Args...)> {
 
   template <size_t... I>
   static Ret run(int device, const char* layout, std::index_sequence<I...>, Args&... args) {
-    LayoutSession session(device, /*caller_holds_arguments=*/true);
+    LayoutSession session(device, /*caller_holds_arguments=*/true, memo_site());
     // Destroyed before the session: the twins' shells go back only if nothing else holds them.
     std::tuple<Cpu<Args>...> cpu{to_cpu<Args>(session, args)...};
     Bare<Ret> r;
@@ -604,15 +615,13 @@ struct LayoutRoute<Op, Ret(Args...)> {
       return session.from_cpu(std::move(r));
     }
   }
+  // [docs:end LAYOUT_ROUTE_CALL]
 
   template <class T>
   static void sync_arg(LayoutSession& session, T& a) {
     if constexpr (std::is_same_v<Bare<T>, at::Tensor>) session.sync_written(a);
   }
 };
-
-#define OPENREG_LAYOUT_ROUTES(X) X(add_Tensor) X(add__Tensor) X(_to_dense)
-// [docs:end LAYOUT_ROUTE]
 
 template <class Op>
 std::string op_name() {
