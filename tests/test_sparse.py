@@ -232,6 +232,88 @@ def test_twin_shells_and_results_in_place():
     assert torch.openreg.memory_allocated() == memory
 
 
+def test_layout_route_add_and_to_dense():
+    """`add` / `add_` with a sparse argument and `_to_dense` run unboxed (docs/layouts.md, "Cost"):
+    the fallback's session without its boxing, the CPU's results and errors; anything out of the
+    ordinary (another device, a written sparse or copy-on-write tensor) still takes the
+    fallback."""
+    import torch_openreg
+
+    def calls(route):
+        return torch_openreg._C._route_calls("layouts." + route)
+
+    cpu, dev = coo_pair(nnz=12)
+    h_cpu, h_dev = coo_pair(shape=(3, 4), dense_dims=(2,), seed=3)
+    b_cpu, b_dev = coo_pair(seed=2)
+    dense = torch.randn(4, 5)
+    direct, fallback = calls("direct"), calls("fallback")
+    same(dense.to(D) + dev, dense + cpu)
+    same(torch.add(dense.to(D), dev, alpha=-2.5), torch.add(dense, cpu, alpha=-2.5))
+    same(dense.double().to(D) + dev, dense.double() + cpu)  # type promotion
+    same(dev + b_dev, cpu + b_cpu)  # a sparse result
+    same(dev.to_dense(), cpu.to_dense())
+    same(h_dev.to_dense(), h_cpu.to_dense())
+    same(dev.double().to_dense(), cpu.double().to_dense())
+    w_cpu, w_dev = dense.clone(), dense.to(D)
+    assert w_dev.add_(dev, alpha=0.5) is w_dev
+    w_cpu.add_(cpu, alpha=0.5)
+    same(w_dev, w_cpu)
+    hw_cpu = torch.randn(3, 4, 2)
+    hw_dev = hw_cpu.to(D)
+    same(hw_dev.add_(h_dev), hw_cpu.add_(h_cpu))
+    # autograd above the route
+    x_cpu = dense.clone().requires_grad_()
+    x_dev = dense.to(D).requires_grad_()
+    (x_dev + dev).pow(2).sum().backward()
+    (x_cpu + cpu).pow(2).sum().backward()
+    same(x_dev.grad, x_cpu.grad)
+    assert calls("direct") - direct == 10 and calls("fallback") == fallback
+    # a loop on the same tensors (the route's memo of their aliases), changed between calls
+    d_cpu, d_dev = dense.clone(), dense.to(D)
+    s_cpu, s_dev = cpu.clone(), dev.clone()
+    for i in range(4):
+        same(d_dev + s_dev, d_cpu + s_cpu)
+        same(s_dev.to_dense(), s_cpu.to_dense())
+        same(d_dev.add_(s_dev, alpha=0.5), d_cpu.add_(s_cpu, alpha=0.5))
+        s_dev.mul_(2.0)  # values written in place
+        s_cpu.mul_(2.0)
+        if i == 1:  # new members
+            s_cpu, s_dev = s_cpu.coalesce(), s_dev.coalesce()
+        if i == 2:  # new memory for the dense tensor
+            d_dev.set_(torch.randn(4, 5).to(D))
+            d_cpu.set_(d_dev.cpu())
+    # the CPU's errors, type and message
+    cases = [
+        lambda d, s, dv: torch.zeros(4, 5, dtype=torch.long, device=dv).add_(s),
+        lambda d, s, dv: torch.zeros(3, 3, device=dv) + s,
+        lambda d, s, dv: s + d,
+        lambda d, s, dv: s.to_dense(dtype=torch.float64),
+        lambda d, s, dv: s.to_dense(masked_grad=True),
+    ]
+    for case in cases:
+        try:
+            want = case(dense, cpu, "cpu")
+        except Exception as e:  # noqa: BLE001
+            with pytest.raises(type(e)) as got:
+                case(dense.to(D), dev, D)
+            assert str(got.value) == str(e)
+        else:
+            same(case(dense.to(D), dev, D), want)
+    # the fallback's cases: its device errors, a written sparse tensor, a copy-on-write one
+    a_cpu, a_dev = cpu.clone(), dev.clone()
+    fallback = calls("fallback")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        dense + dev
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        dense.to("openreg:1") + dev
+    same(a_dev.add_(b_dev), a_cpu.add_(b_cpu))
+    source = dense.to(D)
+    lazy = torch._lazy_clone(source)
+    same(lazy.add_(dev), dense + cpu)
+    same(source, dense)
+    assert calls("fallback") - fallback == 4
+
+
 def test_hybrid_dense_dims():
     cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))
     same(dev.to_dense(), cpu.to_dense())

@@ -23,9 +23,12 @@
 #include <ATen/NestedTensorImpl.h>
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
+#include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/_coalesced_native.h>
+#include <ATen/ops/_to_dense_ops.h>
+#include <ATen/ops/add_ops.h>
 #include <ATen/ops/_indices_native.h>
 #include <ATen/ops/_nnz_native.h>
 #include <ATen/ops/_sparse_coo_tensor_with_dims_and_tensors_native.h>
@@ -40,9 +43,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <iterator>
+#include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <typeinfo>
+#include <utility>
+#include <vector>
 
 namespace openreg {
 namespace {
@@ -113,7 +122,7 @@ std::atomic<int64_t>& g_dense_results_in_place = call_counter("layouts.dense_res
 // waits in this thread's pool for the next twin of its dtype. A new SparseTensorImpl's constructor
 // allocates two empty members through the dispatcher only to have them replaced (about 3,500
 // instructions of a twin's 6,600, callgrind, issue 41). The shell gets its shape, members and flag
-// anew from each device tensor it stands for, through SparseTensorImpl's own setters.
+// anew from each device tensor it stands for (raw_resize_ for the shape, SET_MEMBERS for the rest).
 thread_local c10::SmallVector<at::Tensor, 4> t_twin_shells;
 
 at::Tensor twin_shell(caffe2::TypeMeta dtype) {
@@ -159,16 +168,49 @@ void return_shell(at::Tensor&& twin) {
 }
 // [docs:end TWIN_SHELLS]
 
+// [docs:start SET_MEMBERS]
+// The members of a SparseTensorImpl whose invariants are already known: the aliases of a device
+// tensor's members in a twin of its shape, or a result's own members, moved to the device, back
+// in it. `set_indices_and_values_unsafe` would check again what its earlier call checked (layouts,
+// devices, dtypes, dimensions, the values' sizes, through a vector of SymInts: about 1,000
+// instructions per call, callgrind, issue 41); the members and the flag are public fields of
+// SparseTensorImpl (torch 2.13-2.15), assigned here as that setter assigns them.
+void set_members(at::SparseTensorImpl* impl, at::Tensor indices, at::Tensor values,
+                 bool coalesced) {
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(impl->allow_tensor_metadata_change() &&
+                                   indices.device() == impl->device() &&
+                                   values.device() == impl->device() &&
+                                   values.dtype() == impl->dtype() &&
+                                   indices.dim() == 2 && indices.size(0) == impl->sparse_dim() &&
+                                   values.dim() == impl->dense_dim() + 1 &&
+                                   indices.size(1) == values.size(0));
+  impl->indices_ = std::move(indices);
+  impl->values_ = std::move(values);
+  impl->coalesced_ = coalesced;
+}
+// [docs:end SET_MEMBERS]
+
 // One operator call: the CPU twin of each openreg tensor argument (same layout, dense parts
 // aliasing device memory), and the openreg tensor of each CPU result.
 class LayoutSession {
  public:
-  explicit LayoutSession(int device) : kernel_(device), device_(device) {}
+  // `caller_holds_arguments`: every device tensor passed to to_cpu outlives the session (an
+  // unboxed kernel's arguments, LAYOUT_ROUTE), so the session borrows them instead of taking a
+  // reference (for a tensor Python holds, a reference taken and dropped also takes and drops one
+  // on its Python object, under the GIL: about 1,000 instructions per tensor, callgrind).
+  // `memo_site`: a call site's memo of the tensors it aliased last (HostKernel, ALIAS_MEMO), for
+  // a site that passes the same tensors call after call (a loop on one sparse tensor).
+  explicit LayoutSession(int device, bool caller_holds_arguments = false, int memo_site = -1)
+      : kernel_(device, memo_site), device_(device), borrow_(caller_holds_arguments) {
+    if (borrow_) kernel_.caller_holds_arguments();
+  }
   // The twins' shells go back to this thread's pool (before kernel_ ends: their members, the
   // aliases, must be released first, see HostKernel's ALIAS_CACHE_RETURN).
   ~LayoutSession() {
-    for (Twin& p : twins_)
+    for (Twin& p : twins_) {
       if (p.cpu.is_sparse()) return_shell(std::move(p.cpu));
+      if (borrow_) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(p.device);
+    }
   }
 
   at::Tensor to_cpu(const at::Tensor& t) {
@@ -187,9 +229,8 @@ class LayoutSession {
       if (cimpl->sparse_dim() != impl->sparse_dim() || cimpl->dense_dim() != impl->dense_dim() ||
           cimpl->sizes() != t.sizes())  // a shell keeps the shape of its last twin
         cimpl->raw_resize_(impl->sparse_dim(), impl->dense_dim(), t.sizes());
-      cimpl->set_indices_and_values_unsafe(kernel_.alias(impl->indices()),
-                                           kernel_.alias(impl->values()));
-      cimpl->set_coalesced(impl->coalesced());
+      set_members(cimpl, kernel_.alias(impl->indices()), kernel_.alias(impl->values()),
+                  impl->coalesced());
       // [docs:end COO_TWIN]
     } else if (is_compressed(t)) {
       // CSR, CSC, BSR, BSC: compressed indices, plain indices and values.
@@ -210,7 +251,7 @@ class LayoutSession {
                                                           impl->get_nested_strides(),
                                                           impl->get_storage_offsets());
     }
-    twins_.push_back({cpu, t});
+    twins_.push_back({cpu, borrow_ ? c10::MaybeOwnedTraits<at::Tensor>::createBorrow(t) : t});
     return cpu;
   }
 
@@ -283,8 +324,7 @@ class LayoutSession {
           d->coalesced() == c->coalesced())
         return;  // unchanged
       d->raw_resize_(c->sparse_dim(), c->dense_dim(), cpu.sizes());
-      d->set_indices_and_values_unsafe(indices, values);
-      d->set_coalesced(c->coalesced());
+      set_members(d, std::move(indices), std::move(values), c->coalesced());
     } else if (is_compressed(cpu)) {
       auto* c = static_cast<at::SparseCsrTensorImpl*>(cpu.unsafeGetTensorImpl());
       auto* d = static_cast<at::SparseCsrTensorImpl*>(device.unsafeGetTensorImpl());
@@ -316,8 +356,7 @@ class LayoutSession {
     const c10::Device dev(kOpenReg, static_cast<c10::DeviceIndex>(device_));
     c->_change_backend_component_keys(dev);
     c->*SparseDevice::device_opt() = dev;
-    c->set_indices_and_values_unsafe(indices, values);
-    c->set_coalesced(coalesced);
+    set_members(c, std::move(indices), std::move(values), coalesced);
     g_sparse_results_in_place.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
@@ -325,10 +364,11 @@ class LayoutSession {
 
   struct Twin {
     at::Tensor cpu;
-    at::Tensor device;
+    at::Tensor device;  // borrowed if borrow_
   };
   HostKernel kernel_;
   const int device_;
+  const bool borrow_;
   c10::SmallVector<Twin, 2> twins_;
 };
 
@@ -346,6 +386,27 @@ bool returns_cpu_metadata(std::string_view name) {
 
 // Calls of the fallback, for tests that prove an operator does not take it (`_route_calls`).
 std::atomic<int64_t>& g_layout_calls = call_counter("layouts.fallback");
+
+// [docs:start KERNEL_ERROR]
+// In a catch block around a CPU kernel: its error as the CPU raised it (the context is added only
+// with OPENREG_ERROR_CONTEXT=1), or, where the CPU has no kernel for the layout, a refusal naming
+// the operator and the layout.
+[[noreturn]] void rethrow_kernel_error(const c10::OperatorHandle& op, int device,
+                                       const char* layout) {
+  try {
+    throw;
+  } catch (c10::NotImplementedError& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", op.schema().operator_name(),
+                                "' is not implemented for openreg tensors with layout ", layout,
+                                ": it has no CPU kernel for that layout to run on device "
+                                "memory (", e.msg(), ")");
+    throw;  // not reached
+  } catch (c10::Error& e) {
+    add_error_context(e, op, device, layout);
+    throw;
+  }
+}
+// [docs:end KERNEL_ERROR]
 
 void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   g_layout_calls.fetch_add(1, std::memory_order_relaxed);
@@ -399,14 +460,8 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
   // (SparseCPU, SparseCsrCPU, NestedTensorCPU, CPU, or a composite one).
   try {
     op.callBoxed(stack);
-  } catch (c10::NotImplementedError& e) {
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "The operator '", schema.operator_name(),
-                                "' is not implemented for openreg tensors with layout ", layout,
-                                ": it has no CPU kernel for that layout to run on device "
-                                "memory (", e.msg(), ")");
-  } catch (c10::Error& e) {
-    add_error_context(e, op, device, layout);  // the CPU's error, unchanged by default
-    throw;
+  } catch (c10::Error&) {
+    rethrow_kernel_error(op, device, layout);
   }
   // [docs:end LAYOUT_CALL]
 
@@ -434,6 +489,162 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
       v = std::move(out);
     }
   }
+}
+
+// [docs:start LAYOUT_ROUTE]
+// Route: unboxed kernels for the COO operators of the loops of test suites and optimizers whose
+// cost is mostly the fallback's own (`dense + sparse`, `dense.add_(sparse)`, `to_dense`, each
+// about 6,000 instructions more than on the CPU through the fallback, callgrind, issue 41). A
+// kernel does what the fallback does, in the same LayoutSession, without boxing the arguments
+// and with the session borrowing them (the caller holds them for the call): CPU twins and
+// aliases, the same full dispatch to the CPU's kernel, the same errors, the write-back, results
+// made device tensors. Anything out of the ordinary (a tensor on another device or of another
+// layout, an undefined one, a sparse tensor written in place, a copy-on-write one written) is
+// boxed and handed to the fallback, which checks, refuses or runs it exactly as before. A loop on
+// the same tensors finds their aliases in the route's memo (HostKernel's ALIAS_MEMO).
+#define OPENREG_LAYOUT_ROUTES(X) X(add_Tensor) X(add__Tensor) X(_to_dense)
+std::atomic<int64_t>& g_layout_direct = call_counter("layouts.direct");
+// [docs:end LAYOUT_ROUTE]
+
+template <class Op, class Sig = typename Op::schema>
+struct LayoutRoute;
+
+template <class Op, class Ret, class... Args>
+struct LayoutRoute<Op, Ret(Args...)> {
+  template <class T>
+  using Bare = std::remove_cv_t<std::remove_reference_t<T>>;
+  // What the CPU kernel gets: a twin or alias for each tensor, anything else as it is.
+  template <class T>
+  using Cpu = std::conditional_t<std::is_same_v<Bare<T>, at::Tensor>, at::Tensor, T>;
+  static_assert(((std::is_same_v<Bare<Args>, at::Tensor> || !std::is_class_v<Bare<Args>> ||
+                  std::is_same_v<Bare<Args>, c10::Scalar> ||
+                  std::is_same_v<Bare<Args>, std::optional<at::ScalarType>> ||
+                  std::is_same_v<Bare<Args>, std::optional<bool>>) && ...),
+                "an argument the layout route cannot take");
+
+  static const c10::OperatorHandle& op() {
+    static const c10::OperatorHandle handle =
+        c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    return handle;
+  }
+  static const std::array<bool, sizeof...(Args)>& writes() {
+    static const std::array<bool, sizeof...(Args)> w = [] {
+      const ArgSummary& s = arg_summary(op());
+      TORCH_INTERNAL_ASSERT(s.writes.size() == sizeof...(Args));
+      std::array<bool, sizeof...(Args)> out{};
+      for (size_t i = 0; i < sizeof...(Args); ++i) out[i] = s.writes[i];
+      return out;
+    }();
+    return w;
+  }
+
+  // The call's device, or -1 where the fallback must take it.
+  struct Check {
+    int device = -1;
+    bool plain = true;
+    const at::Tensor* layout_arg = nullptr;
+    template <class T>
+    void arg(const T& a, bool written) {
+      if constexpr (std::is_same_v<Bare<T>, at::Tensor>) {
+        if (!a.defined() || a.device().type() != kOpenReg) {
+          plain = false;
+          return;
+        }
+        const int index = a.device().index();
+        if (device < 0) device = index;
+        else if (index != device) plain = false;
+        if (a.is_sparse()) {
+          if (written) plain = false;  // the twin's members become the device tensor's
+          if (layout_arg == nullptr) layout_arg = &a;
+        } else if (is_layout_tensor(a) || (written && is_cow(a))) {
+          plain = false;
+        }
+      }
+    }
+  };
+
+  static int memo_site() {
+    static const int site = HostKernel::new_memo_site();
+    return site;
+  }
+
+  static Ret boxed(c10::DispatchKeySet ks, Args... args) {
+    return c10::impl::BoxedKernelWrapper<Ret(Args...)>::call(
+        c10::BoxedKernel::makeFromFunction<&layout_fallback>(), op(), ks,
+        std::forward<Args>(args)...);
+  }
+
+  // [docs:start LAYOUT_ROUTE_CALL]
+  static Ret call(c10::DispatchKeySet ks, Args... args) {
+    const auto& w = writes();
+    Check c;
+    {
+      size_t i = 0;
+      (c.arg(args, w[i++]), ...);
+    }
+    if (!c.plain || c.device < 0 || c.layout_arg == nullptr)
+      return boxed(ks, std::forward<Args>(args)...);
+    g_layout_direct.fetch_add(1, std::memory_order_relaxed);
+    check_device(c.device);
+    return run(c.device, layout_name(*c.layout_arg), std::index_sequence_for<Args...>{}, args...);
+  }
+
+  template <class T>
+  static Cpu<T> to_cpu(LayoutSession& session, T& a) {
+    if constexpr (std::is_same_v<Bare<T>, at::Tensor>) return session.to_cpu(a);
+    else return a;
+  }
+
+  template <size_t... I>
+  static Ret run(int device, const char* layout, std::index_sequence<I...>, Args&... args) {
+    LayoutSession session(device, /*caller_holds_arguments=*/true, memo_site());
+    // Destroyed before the session: the twins' shells go back only if nothing else holds them.
+    std::tuple<Cpu<Args>...> cpu{to_cpu<Args>(session, args)...};
+    Bare<Ret> r;
+    try {
+      r = Op::call(std::get<I>(cpu)...);
+    } catch (c10::Error&) {
+      rethrow_kernel_error(op(), device, layout);
+    }
+    ((writes()[I] ? sync_arg(session, args) : void()), ...);
+    if constexpr (std::is_same_v<Ret, at::Tensor&>) {
+      // In place: the written argument, as the boxed call returns it.
+      return std::get<0>(std::forward_as_tuple(args...));
+    } else {
+      static_assert(std::is_same_v<Ret, at::Tensor>, "a return the layout route cannot give");
+      return session.from_cpu(std::move(r));
+    }
+  }
+  // [docs:end LAYOUT_ROUTE_CALL]
+
+  template <class T>
+  static void sync_arg(LayoutSession& session, T& a) {
+    if constexpr (std::is_same_v<Bare<T>, at::Tensor>) session.sync_written(a);
+  }
+};
+
+template <class Op>
+std::string op_name() {
+  std::string name = std::string(Op::name).substr(6);  // without "aten::"
+  if (Op::overload_name[0] != '\0') name += std::string(".") + Op::overload_name;
+  return name;
+}
+
+const std::vector<std::string>& layout_route_names() {
+  static const std::vector<std::string> names = {
+#define OPENREG_NAME(op) op_name<at::_ops::op>(),
+      OPENREG_LAYOUT_ROUTES(OPENREG_NAME)
+#undef OPENREG_NAME
+  };
+  return names;
+}
+
+void register_layout_routes(torch::Library& m) {
+  size_t i = 0;
+#define OPENREG_REGISTER(op) \
+  m.impl(layout_route_names()[i++].c_str(), TORCH_FN((&LayoutRoute<at::_ops::op>::call)));
+  OPENREG_LAYOUT_ROUTES(OPENREG_REGISTER)
+#undef OPENREG_REGISTER
 }
 
 }  // namespace
@@ -563,12 +774,17 @@ void route_layout_ops(torch::Library& m, c10::DispatchKey cpu_key) {
         std::find_if(std::begin(kSparseDirect), std::end(kSparseDirect),
                      [&](const char* d) { return full == d; }) != std::end(kSparseDirect))
       continue;  // register_sparse_direct
+    if (cpu_key == c10::DispatchKey::SparseCPU &&
+        std::find(layout_route_names().begin(), layout_route_names().end(), full) !=
+            layout_route_names().end())
+      continue;  // register_layout_routes
     m.impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&layout_fallback>());
   }
 }
 TORCH_LIBRARY_IMPL(aten, SparsePrivateUse1, m) {
   route_layout_ops(m, c10::DispatchKey::SparseCPU);
   register_sparse_direct(m);
+  register_layout_routes(m);
   m.impl("copy_", sparse_copy_);
   m.impl("copy_sparse_to_sparse_", sparse_copy_);
 }
