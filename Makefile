@@ -30,7 +30,7 @@ PACKAGES_2.15 := "torch==2.15.*" "torchvision==0.29.2"
 PACKAGES_2.14 := "torch==2.14.*" "torchvision==0.29.1"
 PACKAGES_2.13 := "torch==2.13.*"
 TEST_TOOLS := numpy pytest expecttest hypothesis pyyaml \
-	"transformers>=5.24,<6" "accelerate>=1.15,<2" "diffusers>=0.42,<1" "peft>=0.21,<1" pytest-xdist
+	"transformers>=5.24,<6" "accelerate>=1.16,<2" "diffusers>=0.42,<1" "peft>=0.21,<1" pytest-xdist
 DOCS_TOOLS := "sphinx==9.0.4" "myst-parser==5.2.0"
 NATIVE := $(shell find csrc -name "*.cpp" -o -name "*.h" -o -name "*.yaml")
 MODES ?= default async

@@ -65,10 +65,13 @@ def test_transformers_sdpa_tolerance_table_knows_device_names(tmp_path_factory):
     assert '("cpu", False, torch.float16): 5e-3' in body
 
 
-def test_accelerate_test_utils_know_a_fixed_device_list():
+def test_accelerate_test_utils_ask_torch_accelerator():
+    """Closed upstream in accelerate 1.16.0 (1.15.0: xla, cuda, mps, mlu, sdaa, musa, npu, xpu,
+    hpu, neuron by name, else the CPU): get_backend() asks torch.accelerator, so accelerate's
+    own tests run on openreg's two devices. Holds the behaviour of the installed release."""
     from accelerate.test_utils.testing import get_backend
     device, count, _ = get_backend()
-    assert (device, count) == ("cpu", 1), CLOSED + f"accelerate's tests pick {device}"
+    assert (device, count) == ("openreg", torch.openreg.device_count())
     assert torch.accelerator.current_accelerator().type == "openreg"
 
 
@@ -261,10 +264,11 @@ def test_diffusers_float16_tests_know_cuda_and_xpu(relative, reason):
 
 
 # [docs:start GAP_ACCELERATE_DEFAULT_DEVICE]
-def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
-    """accelerate's PartialState.default_device (the execution device of cpu_offload_with_hook
-    and CpuOffload when none is given) lists mps, mlu, sdaa, musa, npu, hpu, cuda, xpu, neuron
-    by name, else the CPU; ACCELERATE_TORCH_DEVICE sets PartialState().device, not it."""
+def test_accelerate_default_device_asks_torch_accelerator(tmp_path):
+    """Closed upstream in accelerate 1.16.0 (1.15.0: PartialState.default_device listed mps, mlu,
+    sdaa, musa, npu, hpu, cuda, xpu, neuron by name, else the CPU): the device accelerate runs on
+    and the execution device of cpu_offload_with_hook come from torch.accelerator, with nothing
+    set in the environment. Holds the behaviour of the installed release."""
     r = run(["-c", textwrap.dedent("""
         import torch
         from accelerate import PartialState
@@ -272,11 +276,9 @@ def test_accelerate_default_device_knows_a_fixed_device_list(tmp_path):
         state = PartialState()
         model, hook = cpu_offload_with_hook(torch.nn.Linear(4, 5))
         print(state.device, state.default_device, model(torch.randn(3, 4)).device)
-    """)], tmp_path, {"ACCELERATE_TORCH_DEVICE": "openreg"})
+    """)], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    device, default_device, output = r.stdout.split()
-    assert device == "openreg"
-    assert (default_device, output) == ("cpu", "cpu"), CLOSED + r.stdout
+    assert r.stdout.split() == ["openreg", "openreg", "openreg:0"]
 # [docs:end GAP_ACCELERATE_DEFAULT_DEVICE]
 
 
@@ -309,21 +311,57 @@ def test_accelerate_offload_hook_tests_check_cuda_and_xpu():
 
 
 # [docs:start GAP_ACCELERATE_CLEAR_DEVICE_CACHE]
-def test_accelerate_clear_device_cache_knows_a_fixed_device_list():
-    """accelerate's clear_device_cache() empties the caching allocator of xpu, mlu, sdaa, musa,
-    npu, mps, cuda or neuron, by name; on openreg it does nothing: the memory a freed tensor
-    held stays reserved (torch.accelerator.empty_cache() gives it back)."""
+def test_accelerate_clear_device_cache_asks_torch_accelerator():
+    """Closed upstream in accelerate 1.16.0 (1.15.0: empty_cache() of xpu, mlu, sdaa, musa, npu,
+    mps, cuda or neuron by name, else nothing): clear_device_cache() empties the caching allocator
+    of the torch.accelerator device, openreg's included. Holds the installed release's
+    behaviour."""
     from accelerate.utils.memory import clear_device_cache
     x = torch.empty(4 << 20, device="openreg")
     del x
     reserved = torch.openreg.memory_reserved()
     assert reserved >= 16 << 20
     clear_device_cache(garbage_collection=True)
-    assert torch.openreg.memory_reserved() == reserved, (
-        CLOSED + "clear_device_cache() empties openreg's cache")
-    torch.accelerator.empty_cache()
     assert torch.openreg.memory_reserved() < reserved
 # [docs:end GAP_ACCELERATE_CLEAR_DEVICE_CACHE]
+
+
+# [docs:start GAP_TRAINER_DEVICE]
+TRAINER_DEFAULT_DEVICE = """
+import tempfile, torch
+from accelerate import PartialState
+from transformers import Trainer, TrainingArguments
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.lin(x).squeeze(1), labels)}
+
+data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(4)]
+with tempfile.TemporaryDirectory() as d:
+    args = TrainingArguments(output_dir=d, use_cpu=False, max_steps=1, report_to=[],
+                             save_strategy="no", disable_tqdm=True)
+    print(PartialState().device, args.device, flush=True)
+    Trainer(model=Tiny(), args=args, train_dataset=data).train()
+"""
+
+
+def test_trainer_batches_stay_on_the_cpu_while_accelerate_places_the_model(tmp_path):
+    """transformers' TrainingArguments picks its device by name (cuda, mps, xpu, npu, hpu, ...,
+    else ACCELERATE_TORCH_DEVICE or the CPU), while accelerate 1.16 asks torch.accelerator: with
+    nothing set, Trainer's accelerator puts the model on openreg and Trainer moves the batches
+    to the CPU, so the first step fails on mixed devices."""
+    r = run(["-c", TRAINER_DEFAULT_DEVICE], tmp_path)
+    assert r.stdout.split()[:2] == ["openreg", "cpu"], CLOSED + r.stdout + r.stderr[-2000:]
+    assert r.returncode != 0, CLOSED + "Trainer trains with nothing set"
+    assert "Expected all tensors to be on the same device" in r.stderr, r.stderr[-3000:]
+    told = run(["-c", TRAINER_DEFAULT_DEVICE], tmp_path, {"ACCELERATE_TORCH_DEVICE": "openreg"})
+    assert told.returncode == 0, told.stderr[-3000:]
+    assert told.stdout.split()[:2] == ["openreg", "openreg"]
+# [docs:end GAP_TRAINER_DEVICE]
 
 
 # [docs:start GAP_DIFFUSERS_GET_DEVICE]
