@@ -67,16 +67,38 @@ demo: install
 
 # The second mode queues every kernel on its stream (docs/async_mode.md): correct programs must
 # give the same results, and a test missing a synchronization shows.
+# LEAVE_OUT (every pass) and ASYNC_LEAVE_OUT (the asynchronous pass) name test files the pass
+# leaves out; empty unless `make test` sets them (below).
+LEAVE_OUT ?=
+ASYNC_LEAVE_OUT ?=
 suite: install
 	@for mode in $(MODES); do \
-	  echo "== torch $(TORCH), $$mode mode: pytest tests"; \
-	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; else env=; fi; \
-	  $(call timed, env $$env $(PYTEST) tests,torch $(TORCH) suite $$mode mode) || exit 1; \
+	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; out="$(LEAVE_OUT) $(ASYNC_LEAVE_OUT)"; \
+	  else env=; out="$(LEAVE_OUT)"; fi; \
+	  ignore=; for f in $$out; do ignore="$$ignore --ignore=tests/$$f.py"; done; \
+	  echo "== torch $(TORCH), $$mode mode: pytest tests$${out:+ (left out:$$out)}"; \
+	  $(call timed, env $$env $(PYTEST) tests $$ignore,torch $(TORCH) suite $$mode mode) || exit 1; \
 	done
 	@# the contract check of examples/minimal_backend, as tests/test_minimal_backend.py ran it: the
 	@# core alone, then the example with its optional mechanisms
 	@v=$$(TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c "import torch; print(torch.__version__)" 2>/dev/null); \
 	  for part in core example; do cat build/minimal_backend/contract_check-$$part-torch-$$v.txt 2>/dev/null; done || true
+
+# What `make test` (CI) leaves out, so that it ends within CI's limit on a slow 2-core machine: the
+# run of stop 45 (a15b346) passed every test but did not end within 5400 s on a machine 2.5x
+# slower than the one of the README's table (one pass of the 2.15 suite there: 1133 s cold, the
+# example backend's build alone 264 s). Left out are files about processes, libraries and
+# builds rather than about what the pass changes; the whole suite still runs on 2.15 in the
+# default mode, and `make suite TORCH=<release> MODES="default async"` runs everything.
+# - the asynchronous pass: what it changes is when kernels run, so files that start whole
+#   programs to check their output, registration or reports add only time;
+CI_ASYNC_LEAVE_OUT := test_minimal_backend test_check test_test_suites test_privateuse1_gaps \
+	test_libraries test_registration test_fault_injection test_ipc test_vision test_determinism
+# - the other releases: files whose code paths are the same Python on every release (the
+#   differential fuzzer, bit-for-bit determinism, the libraries' test utilities and training),
+#   the compiled vision models (test_compile stays) and the example backend's build.
+CI_OTHER_RELEASES_LEAVE_OUT := test_fuzz test_determinism test_test_suites test_libraries \
+	test_vision test_fault_injection test_minimal_backend
 
 ifeq ($(origin TORCH),command line)
 test: suite
@@ -86,10 +108,10 @@ test:
 	@# the venvs of all releases at once: pip unpacks on one core, so three installs side by side
 	@# take about half the time of three in a row (README, "make test")
 	@$(call timed, $(MAKE) -j3 -Otarget $(foreach r,$(RELEASES),.venv/torch-$(r)/bin/python),venvs)
-	$(MAKE) suite TORCH=$(DEFAULT_TORCH)
+	$(MAKE) suite TORCH=$(DEFAULT_TORCH) ASYNC_LEAVE_OUT="$(CI_ASYNC_LEAVE_OUT)"
 	@$(call timed, $(MAKE) docs TORCH=$(DEFAULT_TORCH),torch $(DEFAULT_TORCH) guide)
 	@for release in $(filter-out $(DEFAULT_TORCH),$(RELEASES)); do \
-	  $(MAKE) suite TORCH=$$release MODES=default || exit 1; \
+	  $(MAKE) suite TORCH=$$release MODES=default LEAVE_OUT="$(CI_OTHER_RELEASES_LEAVE_OUT)" || exit 1; \
 	done
 	@echo "== the parts of make test:"; cat $(TIMES); \
 	  echo "in all: $$(( $$(date +%s) - $$(cat build/test-start) )) s"
