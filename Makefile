@@ -2,7 +2,9 @@
 #   make demo   - set up a venv with the default torch, build torch_openreg, train a small model
 #   make test   - the whole test run (what .ci/run calls): on the default torch the suite twice
 #                 (the default mode, then the asynchronous kernel mode, OPENREG_ASYNC=1) and the
-#                 guide; then the suite once on each other supported torch release
+#                 guide; then the suite once on each other supported torch release (the two
+#                 later passes without the files CI_ASYNC_LEAVE_OUT and
+#                 CI_OTHER_RELEASES_LEAVE_OUT name, below)
 # Other targets:
 #   make test TORCH=2.13  - the suite on one release only, in both modes
 #   make suite TORCH=2.14 MODES=default - the suite on one release, in the modes named
@@ -65,12 +67,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m torch_openreg.demo
 
-# The second mode queues every kernel on its stream (docs/async_mode.md): correct programs must
-# give the same results, and a test missing a synchronization shows.
 # LEAVE_OUT (every pass) and ASYNC_LEAVE_OUT (the asynchronous pass) name test files the pass
 # leaves out; empty unless `make test` sets them (below).
 LEAVE_OUT ?=
 ASYNC_LEAVE_OUT ?=
+
+# The second mode queues every kernel on its stream (docs/async_mode.md): correct programs must
+# give the same results, and a test missing a synchronization shows.
 suite: install
 	@for mode in $(MODES); do \
 	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; out="$(LEAVE_OUT) $(ASYNC_LEAVE_OUT)"; \
@@ -86,8 +89,8 @@ suite: install
 
 # What `make test` (CI) leaves out, so that it ends within CI's limit on a slow 2-core machine: the
 # run of stop 45 (a15b346) passed every test but did not end within 5400 s on a machine 2.5x
-# slower than the one of the README's table (one pass of the 2.15 suite there: 1133 s cold, the
-# example backend's build alone 264 s). Left out are files about processes, libraries and
+# slower than the one of the README's table (one cold pass of the 2.15 suite on the slow machine:
+# 1133 s, the example backend's build alone 264 s). Left out are files about processes, libraries and
 # builds rather than about what the pass changes; the whole suite still runs on 2.15 in the
 # default mode, and `make suite TORCH=<release> MODES="default async"` runs everything.
 # - the asynchronous pass: what it changes is when kernels run, so files that start whole
