@@ -320,6 +320,10 @@ def test_bad_capacity_value_is_a_clear_error(value):
                                 torch.openreg.memory_stats, torch.openreg.mem_get_info,
                                 torch.openreg.reset_peak_memory_stats])
 def test_bad_device_index(fn):
+    # torch.accelerator answers the statistics with zeros until the allocator is initialized,
+    # whatever the index (as for CUDA): initialized first, so that the test does not depend on
+    # an earlier test having done it
+    torch.empty(1, device="openreg:0")
     with pytest.raises(RuntimeError, match="(?i)device index is out of range"):
         fn(5)
     with pytest.raises(ValueError, match="openreg"):
@@ -338,3 +342,53 @@ def test_mid_sized_blocks_reuse_a_segment_whose_pieces_merged(device):
         del tensors
         reserved.append(torch.openreg.memory_reserved(device))
     assert reserved[-1] == reserved[0], reserved
+
+
+def test_freed_tiny_blocks_wait_unmerged_and_are_merged_before_a_new_segment():
+    # A freed block of at most 8 KiB waits unmerged for the next request of its size (HOT_BLOCKS
+    # in csrc/adapters/device_allocator.cpp). In a fresh process, 512 blocks of 4 KiB fill one
+    # 2 MiB segment of the small pool; 32 of them freed first, spread over it, wait unmerged and
+    # cut the segment's free room into 60 KiB pieces. A 1 MiB request must find them merged back
+    # (no second segment), and empty_cache must give the whole segment back.
+    r = run("""
+        import torch
+        def stats():
+            s = torch.openreg.memory_stats(0)
+            return [s[k] for k in ("num_device_alloc", "active.all.current",
+                                   "allocated_bytes.all.current", "inactive_split.all.current")]
+        tiny = [torch.empty(1024, device="openreg:0") for _ in range(512)]
+        print(*stats(), torch.openreg.memory_reserved(0) >> 10)
+        address = tiny[-1].data_ptr()
+        del tiny[-1]
+        print(torch.empty(1024, device="openreg:0").data_ptr() == address)  # the same block
+        tiny.append(torch.empty(1024, device="openreg:0"))
+        del tiny[::16]  # waiting, spread over the segment
+        del tiny
+        print(*stats())
+        big = torch.empty(1 << 18, device="openreg:0")  # 1 MiB
+        print(*stats())
+        del big
+        torch.openreg.empty_cache()
+        print(torch.openreg.memory_reserved(0))
+    """)
+    assert r.returncode == 0, r.stderr
+    lines = [line.split() for line in r.stdout.splitlines()]
+    assert lines[0] == ["1", "512", str(2 << 20), "0", "2048"]  # one full segment
+    assert lines[1] == ["True"]
+    assert lines[2][:3] == ["1", "0", "0"] and int(lines[2][3]) >= 32  # pieces waiting
+    assert lines[3][:3] == ["1", "1", str(1 << 20)]  # the same segment served 1 MiB
+    assert lines[4] == ["0"]
+
+
+def test_tiny_blocks_freed_on_another_stream_serve_that_stream(device):
+    side = torch.openreg.Stream(device)
+    with torch.openreg.stream(side):
+        x = torch.ones(4, device=device)
+        address = x.data_ptr()
+        del x
+        y = torch.zeros(4, device=device)  # the side stream's block again
+        assert y.data_ptr() == address
+    z = torch.zeros(4, device=device)  # the default stream: not the side stream's block
+    assert z.data_ptr() != address
+    assert y.tolist() == [0.0] * 4 and z.tolist() == [0.0] * 4
+    torch.openreg.synchronize(device)

@@ -22,6 +22,7 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -55,6 +56,7 @@ struct Block {
   Block* next = nullptr;
   std::vector<int64_t> stream_uses;  // other streams the block was used on (record_stream)
   int pending_events = 0;
+  bool hot = false;  // freed, waiting unmerged in a size's LIFO list (HOT_BLOCKS)
 };
 
 struct BlockOrder {
@@ -107,7 +109,15 @@ class DeviceCache {
     // An injected out-of-memory error (runtime/faults.h, docs/fault_injection.md) takes the
     // path of a real one: no cached block, no new segment, before and after the retry.
     const bool injected = inject_oom(device_, requested);
-    Block* block = injected ? nullptr : take_free(pool, size, stream);
+    Block* block = injected ? nullptr : take_hot(size, stream);
+    if (block == nullptr && !injected) {
+      block = take_free(pool, size, stream);
+      // None in the pools: the hot blocks, merged back, may make one (before a new segment)
+      if (block == nullptr && hot_count_ > 0) {
+        flush_hot();
+        block = take_free(pool, size, stream);
+      }
+    }
     if (block == nullptr) {
       size_t segment_size = segment_size_for(size);
       char* mem = injected ? nullptr : reserve(segment_size);
@@ -190,7 +200,7 @@ class DeviceCache {
         block->pending_events++;
       }
       block->stream_uses.clear();
-    } else {
+    } else if (!keep_hot(block)) {
       release_block(block);
     }
     // [docs:end FREE_RECORD_STREAM]
@@ -347,11 +357,16 @@ class DeviceCache {
 
   // Returns a freed block to its pool, merging it with free neighbours.
   void release_block(Block* block) {
-    auto& pool = block->small ? small_free_ : large_free_;
     update(stats_, &DeviceStats::active, block->small, -1);
     update(stats_, &DeviceStats::active_bytes, block->small, -int64_t(block->size));
+    merge_into_pool(block);
+  }
+
+  void merge_into_pool(Block* block) {
+    auto& pool = block->small ? small_free_ : large_free_;
     for (Block* neighbour : {block->prev, block->next}) {
-      if (!neighbour || neighbour->allocated || neighbour->pending_events > 0) continue;
+      if (!neighbour || neighbour->allocated || neighbour->pending_events > 0 || neighbour->hot)
+        continue;
       pool_erase(pool, pool.find(neighbour));
       if (neighbour == block->prev) {
         block->ptr = neighbour->ptr;
@@ -380,6 +395,10 @@ class DeviceCache {
       int64_t count = 0, bytes = 0;
       for (Block* b : small ? small_free_ : large_free_)
         if (b->prev || b->next) ++count, bytes += int64_t(b->size);
+      if (small)
+        for (const auto& list : hot_)
+          for (Block* b : list)
+            if (b->prev || b->next) ++count, bytes += int64_t(b->size);
       for (auto [field, value] : {std::pair{&DeviceStats::inactive_split, count},
                                   std::pair{&DeviceStats::inactive_split_bytes, bytes}}) {
         auto& stat = (stats_.*field)[size_t(small ? StatType::SMALL_POOL : StatType::LARGE_POOL)];
@@ -413,6 +432,7 @@ class DeviceCache {
 
   // Gives every free, unsplit segment back to the driver.
   void release_cached() {
+    flush_hot();
     for (auto* pool : {&small_free_, &large_free_}) {
       for (auto it = pool->begin(); it != pool->end();) {
         Block* b = *it;
@@ -488,12 +508,66 @@ class DeviceCache {
   }
   // [docs:end SPARE_NODES]
 
+  // [docs:start HOT_BLOCKS]
+  // Even with SPARE_NODES, a tiny tensor's free merged its block back into the cached one it was
+  // split from and its next allocation split it off again: four searches and rebalancings of
+  // the free pools' trees per tensor (about 500 instructions, and cache misses on the trees'
+  // nodes, of a sparse operator's 10 allocations through the layout fallback, issue 41). A
+  // freed block of at most kHotMax bytes (no other stream's work pending on it, not in a
+  // graph's pool) waits unmerged instead, in a last-in-first-out list of its size, for the next
+  // request of that size on its stream, as the CPU's malloc keeps small chunks in per-size bins.
+  // It counts as free (active and inactive_split, as a free piece of a split segment) and no
+  // neighbour merges with it. The lists are merged back into the pools (flush_hot) before a new
+  // segment is reserved and whenever cached memory goes back to the driver (empty_cache, the
+  // retry before out of memory), so they never make the device reserve more than before.
+  static constexpr size_t kHotMax = 8 << 10;
+  static constexpr size_t kHotDepth = 32;  // blocks per size
+  static size_t hot_class(size_t size) { return size / kMinBlockSize - 1; }
+
+  Block* take_hot(size_t size, int64_t stream) {
+    if (size > kHotMax) return nullptr;
+    auto& list = hot_[hot_class(size)];
+    if (list.empty() || list.back()->stream != stream) return nullptr;
+    Block* block = list.back();
+    list.pop_back();
+    block->hot = false;
+    --hot_count_;
+    return block;
+  }
+
+  bool keep_hot(Block* block) {
+    if (!block->small || block->size > kHotMax || block->stream >= kPoolKeyBase) return false;
+    auto& list = hot_[hot_class(block->size)];
+    if (list.size() >= kHotDepth) return false;
+    update(stats_, &DeviceStats::active, true, -1);
+    update(stats_, &DeviceStats::active_bytes, true, -int64_t(block->size));
+    block->hot = true;
+    list.push_back(block);
+    ++hot_count_;
+    return true;
+  }
+
+  void flush_hot() {
+    if (hot_count_ == 0) return;
+    for (auto& list : hot_) {
+      for (Block* b : list) {
+        b->hot = false;  // one at a time: a hot neighbour merges when its own turn comes
+        merge_into_pool(b);
+      }
+      list.clear();
+    }
+    hot_count_ = 0;
+  }
+  // [docs:end HOT_BLOCKS]
+
   const int device_;
   size_t limit_;
   std::mutex mutex_;
   Pool small_free_, large_free_;
   std::vector<Block*> spare_blocks_;
   std::vector<Pool::node_type> spare_nodes_;
+  std::array<std::vector<Block*>, kHotMax / kMinBlockSize> hot_;
+  size_t hot_count_ = 0;
   ska::flat_hash_map<void*, Block*> live_;  // open addressing: no node allocated per block
   std::deque<std::pair<EventPtr, Block*>> outstanding_;
   DeviceStats stats_;
