@@ -7,8 +7,10 @@
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace openreg {
@@ -109,5 +111,45 @@ void arguments_to_cpu(c10::Stack& stack, size_t first, const ArgSummary& s, int 
 // stays the CPU's, unchanged (fallback.cpp).
 void add_error_context(c10::Error& e, const c10::OperatorHandle& op, int device,
                        const char* layout = nullptr);
+
+// ---- Shared by the unboxed routes (routes/unboxed.cpp, ops/layouts.cpp's LAYOUT_ROUTE) -----------
+// Each is an at::_ops operator's kernel template; what it needs of the operator, found once.
+
+// The operator's handle.
+template <class Op>
+const c10::OperatorHandle& op_handle() {
+  static const c10::OperatorHandle handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+  return handle;
+}
+
+// Which of its N arguments the operator writes (an alias annotation with `!`), read once from its
+// schema: a per-call lookup of the fallback's summary (a hash table per thread) and a
+// std::vector<bool> were 5% of what a tiny add costs more than on the CPU.
+template <class Op, size_t N>
+const std::array<bool, N>& written_args() {
+  static const std::array<bool, N> writes = [] {
+    const ArgSummary& s = arg_summary(op_handle<Op>());
+    TORCH_INTERNAL_ASSERT(s.writes.size() == N, "openreg: ",
+                          op_handle<Op>().schema().operator_name(),
+                          ": schema and signature differ");
+    std::array<bool, N> out{};
+    for (size_t i = 0; i < N; ++i) out[i] = s.writes[i];
+    return out;
+  }();
+  return writes;
+}
+
+// The name a kernel of the operator registers under, "add.Tensor" (kept for the process: the
+// library keeps the pointer).
+template <class Op>
+const char* registration_name() {
+  static const std::string* name = [] {
+    auto* n = new std::string(std::string(Op::name).substr(6));  // without "aten::"
+    if (Op::overload_name[0] != '\0') *n += std::string(".") + Op::overload_name;
+    return n;
+  }();
+  return name->c_str();
+}
 
 }  // namespace openreg

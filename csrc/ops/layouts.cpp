@@ -522,20 +522,9 @@ struct LayoutRoute<Op, Ret(Args...)> {
                   std::is_same_v<Bare<Args>, std::optional<bool>>) && ...),
                 "an argument the layout route cannot take");
 
-  static const c10::OperatorHandle& op() {
-    static const c10::OperatorHandle handle =
-        c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
-    return handle;
-  }
+  static const c10::OperatorHandle& op() { return op_handle<Op>(); }
   static const std::array<bool, sizeof...(Args)>& writes() {
-    static const std::array<bool, sizeof...(Args)> w = [] {
-      const ArgSummary& s = arg_summary(op());
-      TORCH_INTERNAL_ASSERT(s.writes.size() == sizeof...(Args));
-      std::array<bool, sizeof...(Args)> out{};
-      for (size_t i = 0; i < sizeof...(Args); ++i) out[i] = s.writes[i];
-      return out;
-    }();
-    return w;
+    return written_args<Op, sizeof...(Args)>();
   }
 
   // The call's device, or -1 where the fallback must take it.
@@ -623,16 +612,9 @@ struct LayoutRoute<Op, Ret(Args...)> {
   }
 };
 
-template <class Op>
-std::string op_name() {
-  std::string name = std::string(Op::name).substr(6);  // without "aten::"
-  if (Op::overload_name[0] != '\0') name += std::string(".") + Op::overload_name;
-  return name;
-}
-
-const std::vector<std::string>& layout_route_names() {
-  static const std::vector<std::string> names = {
-#define OPENREG_NAME(op) op_name<at::_ops::op>(),
+const std::vector<std::string_view>& layout_route_names() {
+  static const std::vector<std::string_view> names = {
+#define OPENREG_NAME(op) registration_name<at::_ops::op>(),
       OPENREG_LAYOUT_ROUTES(OPENREG_NAME)
 #undef OPENREG_NAME
   };
@@ -640,9 +622,8 @@ const std::vector<std::string>& layout_route_names() {
 }
 
 void register_layout_routes(torch::Library& m) {
-  size_t i = 0;
 #define OPENREG_REGISTER(op) \
-  m.impl(layout_route_names()[i++].c_str(), TORCH_FN((&LayoutRoute<at::_ops::op>::call)));
+  m.impl(registration_name<at::_ops::op>(), TORCH_FN((&LayoutRoute<at::_ops::op>::call)));
   OPENREG_LAYOUT_ROUTES(OPENREG_REGISTER)
 #undef OPENREG_REGISTER
 }

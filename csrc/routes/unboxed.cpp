@@ -29,7 +29,6 @@
 
 #include <array>
 #include <atomic>
-#include <deque>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -226,11 +225,7 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   }
   // [docs:end UNBOXED_KEEPS_METADATA]
 
-  static const c10::OperatorHandle& op() {
-    static const c10::OperatorHandle handle =
-        c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
-    return handle;
-  }
+  static const c10::OperatorHandle& op() { return op_handle<Op>(); }
 
   static Ret boxed(c10::DispatchKeySet ks, Args... args) {
     boxed_calls.fetch_add(1, std::memory_order_relaxed);
@@ -239,22 +234,8 @@ struct UnboxedRoute<Op, Ret(Args...)> {
         std::forward<Args>(args)...);
   }
 
-  // Which arguments the operator writes (an alias annotation with `!`), read once from its
-  // schema: a per-call lookup of the fallback's summary (a hash table per thread) and a
-  // std::vector<bool> were 5% of what a tiny add costs more than on the CPU.
-  struct Writes {
-    std::array<bool, sizeof...(Args)> arg{};
-  };
-  static const Writes& writes() {
-    static const Writes w = [] {
-      const ArgSummary& s = arg_summary(op());
-      TORCH_INTERNAL_ASSERT(s.writes.size() == sizeof...(Args), "openreg: ",
-                            op().schema().operator_name(), ": schema and signature differ");
-      Writes out;
-      for (size_t i = 0; i < sizeof...(Args); ++i) out.arg[i] = s.writes[i];
-      return out;
-    }();
-    return w;
+  static const std::array<bool, sizeof...(Args)>& writes() {
+    return written_args<Op, sizeof...(Args)>();
   }
 
   // [docs:start UNBOXED_MEMO_SITE]
@@ -272,11 +253,11 @@ struct UnboxedRoute<Op, Ret(Args...)> {
 
   // [docs:start UNBOXED_ROUTE]
   static Ret call(c10::DispatchKeySet ks, Args... args) {
-    const Writes& s = writes();
+    const auto& w = writes();
     Devices d;
     {
       size_t i = 0;
-      (d.arg(args, s.arg[i++]), ...);
+      (d.arg(args, w[i++]), ...);
     }
     // The fallback decides, checks, records or queues anything else, exactly as without the route.
     if (!g_enabled.load(std::memory_order_relaxed) || !d.plain || d.device < 0 ||
@@ -284,17 +265,18 @@ struct UnboxedRoute<Op, Ret(Args...)> {
       return boxed(ks, std::forward<Args>(args)...);
     unboxed_calls.fetch_add(1, std::memory_order_relaxed);
     check_device(d.device);
-    return run(d.device, s, std::index_sequence_for<Args...>{}, args...);
+    return run(d.device, w, std::index_sequence_for<Args...>{}, args...);
   }
 
   template <size_t... I>
-  static Ret run(int device, const Writes& s, std::index_sequence<I...>, Args&... args) {
+  static Ret run(int device, const std::array<bool, sizeof...(Args)>& w,
+                 std::index_sequence<I...>, Args&... args) {
     HostKernel k(device, memo_site());
     k.caller_holds_arguments();  // the caller's references outlive the call
     std::tuple<typename ToCpu<Args>::type...> cpu{ToCpu<Args>::convert(k, args)...};
     const bool write_back = !keeps_metadata();
     auto sync = [&] {
-      if (write_back) ((s.arg[I] ? sync_arg(k, args, std::get<I>(cpu)) : void()), ...);
+      if (write_back) ((w[I] ? sync_arg(k, args, std::get<I>(cpu)) : void()), ...);
     };
     auto invoke = [&]() -> decltype(auto) {
       return Op::redispatch(c10::DispatchKeySet(c10::DispatchKey::CPU), std::get<I>(cpu)...);
@@ -365,22 +347,10 @@ struct UnboxedRoute<Op, Ret(Args...)> {
   X(lt_Tensor) X(le_Tensor)
 // [docs:end UNBOXED_OPS]
 
-std::deque<std::string>& names() {
-  static auto* n = new std::deque<std::string>();  // the library keeps pointers into them
-  return *n;
-}
-
-template <class Op>
-void register_route(torch::Library& m) {
-  std::string name = std::string(Op::name).substr(6);  // without "aten::"
-  if (Op::overload_name[0] != '\0') name += std::string(".") + Op::overload_name;
-  m.impl(names().emplace_back(std::move(name)).c_str(),
-         TORCH_FN((&UnboxedRoute<Op>::call)));
-}
-
 // [docs:start UNBOXED_REGISTRATION]
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-#define OPENREG_REGISTER(op) register_route<at::_ops::op>(m);
+#define OPENREG_REGISTER(op) \
+  m.impl(registration_name<at::_ops::op>(), TORCH_FN((&UnboxedRoute<at::_ops::op>::call)));
   OPENREG_UNBOXED_OPS(OPENREG_REGISTER)
 #undef OPENREG_REGISTER
 }
