@@ -191,6 +191,12 @@ def outcomes(xml: Path, device: str) -> dict[str, tuple[str, str]]:
     return result
 
 
+def case_times(xml: Path, device: str) -> dict[str, float]:
+    """JUnit XML -> {test key without the device: its time in seconds}."""
+    return {test_key(case.get("classname", "").rsplit(".", 1)[-1], case.get("name", ""), device):
+            float(case.get("time") or 0) for case in ET.parse(xml).getroot().iter("testcase")}
+
+
 def times(xml: Path) -> tuple[float, float]:
     """JUnit XML -> (test time: the sum of its testcases' times, wall time: pytest's session
     time, collection included), in seconds."""
@@ -236,6 +242,20 @@ def compare(files: list[str]) -> int:
             cpu_s, ore_s = spent["cpu"][i], spent["openreg"][i]
             print(f"   {what}: cpu {cpu_s:.1f} s, openreg {ore_s:.1f} s, openreg / cpu "
                   + (f"{ore_s / cpu_s:.2f}x" if cpu_s else "-"))
+        # Test for test: only the tests that ran on both devices (a test skipped on one, such as
+        # those PyTorch runs on accelerators only, is work the other device did not do). The
+        # same test may still do more work on openreg: PyTorch's helpers give accelerators more
+        # configurations of some tests (docs/test_suites.md, test_optim.py).
+        per_test = {d: {} for d in DEVICES}
+        for name in done:
+            for d in DEVICES:
+                per_test[d].update(case_times(OUT / f"{stem}-{name}-{d}.xml", d))
+        both = [k for k, (o, _) in cpu.items()
+                if o != "skipped" and k in ore and ore[k][0] != "skipped"]
+        cpu_s = sum(per_test["cpu"].get(k, 0.0) for k in both)
+        ore_s = sum(per_test["openreg"].get(k, 0.0) for k in both)
+        print(f"   test time of the {len(both)} tests run on both devices: cpu {cpu_s:.1f} s, "
+              f"openreg {ore_s:.1f} s, openreg / cpu " + (f"{ore_s / cpu_s:.2f}x" if cpu_s else "-"))
         only_fail = {k: ore[k][1] for k, (o, _) in cpu.items()
                      if o == "passed" and k in ore and ore[k][0] == "failed"}
         only_skip = {k: ore[k][1] for k, (o, _) in cpu.items()
