@@ -364,6 +364,31 @@ def test_trainer_batches_stay_on_the_cpu_while_accelerate_places_the_model(tmp_p
 # [docs:end GAP_TRAINER_DEVICE]
 
 
+# [docs:start GAP_ACCELERATE_MULTI_PROCESS]
+ACCELERATE_RANKS = """
+import torch.distributed as dist
+from accelerate import PartialState
+state = PartialState()
+print(state.distributed_type, state.num_processes, dist.get_world_size(), flush=True)
+"""
+
+
+def test_accelerate_multi_process_knows_no_privateuse1_backend(tmp_path):
+    """accelerate's multi-process state takes its backend from a table of device types (cuda:
+    nccl, xpu: xccl, npu: hccl, ...) and its distributed type from an enum member per device
+    (MULTI_GPU, MULTI_XPU, ...). A PrivateUse1 device has neither: launched as two processes
+    (torchrun, as `accelerate launch` does), each says it is alone, DistributedType.NO and one
+    process, while torch's process group it has just initialized has two ranks."""
+    script = tmp_path / "ranks.py"
+    script.write_text(ACCELERATE_RANKS)
+    r = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(script)], tmp_path, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [line.split() for line in r.stdout.splitlines() if line.startswith("DistributedType")]
+    assert ranks == [["DistributedType.NO", "1", "2"]] * 2, CLOSED + r.stdout
+# [docs:end GAP_ACCELERATE_MULTI_PROCESS]
+
+
 # [docs:start GAP_DIFFUSERS_GET_DEVICE]
 def test_diffusers_get_device_asks_torch_accelerator():
     """Closed upstream between diffusers 0.40.0.dev0 (commit 58eb52c0: cuda, npu, xpu, mps, mlu,
