@@ -154,11 +154,15 @@ def test_to_dense_coalesce_indices_values():
 def test_metadata_operators_skip_the_fallback():
     """The members' accessors, the flags and the constructor from indices and values run the
     same device-generic kernels as on CUDA (docs/layouts.md, "Operators that need no CPU twin"),
-    with the CPU's results; the CPU kernels (coalesce's sort) still take the fallback."""
+    with the CPU's results; the CPU kernels (coalesce's sort) still run, through the fallback or
+    its unboxed route."""
     import torch_openreg
 
     def fallback_calls():
         return torch_openreg._C._route_calls("layouts.fallback")
+
+    def cpu_kernel_calls():
+        return fallback_calls() + torch_openreg._C._route_calls("layouts.direct")
 
     cpu, dev = coo_pair(nnz=12)
     i, v = dev._indices(), dev._values()
@@ -173,8 +177,9 @@ def test_metadata_operators_skip_the_fallback():
     flagged = built._coalesced_(True)
     assert flagged.is_coalesced()
     assert fallback_calls() == before
+    kernels = cpu_kernel_calls()
     same(dev.coalesce().indices(), cpu.coalesce().indices())
-    assert fallback_calls() > before
+    assert cpu_kernel_calls() > kernels
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
             1, 0, [3], torch.tensor([[0, 1]]), torch.ones(2, device=D), dtype=torch.float32,
@@ -313,6 +318,60 @@ def test_layout_route_add_and_to_dense():
     same(source, dense)
     assert calls("fallback") - fallback == 4
 
+
+
+def test_layout_route_sparse_optimizer_operators():
+    """`index_select`, `_coalesce` and `sparse_mask` (the sparse operators of Adagrad's and
+    SparseAdam's steps and of sparse test loops) take the layout route: no boxed copy of their
+    arguments, the CPU's results and errors; another device or layout still takes the
+    fallback."""
+    import torch_openreg
+
+    def calls(route):
+        return torch_openreg._C._route_calls("layouts." + route)
+
+    cpu, dev = coo_pair(nnz=12)
+    h_cpu, h_dev = coo_pair(shape=(3, 4), dense_dims=(2,), seed=3)
+    dense = torch.randn(4, 5)
+    mask_cpu, mask_dev = coo_pair(nnz=7, seed=5, coalesced=True)
+    index = torch.tensor([3, 0, 0, 2])
+    direct, fallback = calls("direct"), calls("fallback")
+    for _ in range(2):  # the second time through the route's memo of the aliases
+        same(dev.index_select(0, index.to(D)), cpu.index_select(0, index))
+        same(dev.index_select(1, index.to(D)), cpu.index_select(1, index))
+        same(h_dev.index_select(0, index[1:].to(D)), h_cpu.index_select(0, index[1:]))
+        same(dev.coalesce(), cpu.coalesce())
+        same(h_dev.coalesce(), h_cpu.coalesce())
+        same(dense.to(D).sparse_mask(mask_dev), dense.sparse_mask(mask_cpu))
+    assert calls("direct") - direct == 12 and calls("fallback") == fallback
+    # a coalesced tensor's coalesce() is itself (no kernel at all), as on the CPU
+    coalesced = dev.coalesce()
+    direct = calls("direct")
+    assert coalesced.coalesce() is coalesced and calls("direct") == direct
+    # the CPU's errors, type and message
+    cases = [
+        lambda s, d, m, dv: s.index_select(0, torch.tensor([9], device=dv)),
+        lambda s, d, m, dv: s.index_select(2, torch.tensor([0], device=dv)),
+        lambda s, d, m, dv: s.index_select(0, torch.tensor([0.0], device=dv)),
+        lambda s, d, m, dv: d[:3].sparse_mask(m),
+        lambda s, d, m, dv: d.double().sparse_mask(m),
+    ]
+    for case in cases:
+        try:
+            want = case(cpu, dense, mask_cpu, "cpu")
+        except Exception as e:  # noqa: BLE001
+            with pytest.raises(type(e)) as got:
+                case(dev, dense.to(D), mask_dev, D)
+            assert str(got.value) == str(e)
+        else:
+            same(case(dev, dense.to(D), mask_dev, D), want)
+    # another device: the fallback's error
+    fallback = calls("fallback")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        dev.index_select(0, index)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        dense.sparse_mask(mask_dev)
+    assert calls("fallback") - fallback == 2
 
 def test_hybrid_dense_dims():
     cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))

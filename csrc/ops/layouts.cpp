@@ -494,7 +494,10 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // [docs:start LAYOUT_ROUTE]
 // Route: unboxed kernels for the COO operators of the loops of test suites and optimizers whose
 // cost is mostly the fallback's own (`dense + sparse`, `dense.add_(sparse)`, `to_dense`, each
-// about 6,000 instructions more than on the CPU through the fallback, callgrind, issue 41). A
+// about 6,000 instructions more than on the CPU through the fallback, callgrind, issue 41), and
+// those of sparse optimizer steps (`index_select`, `_coalesce`, `sparse_mask`): boxing copies
+// each tensor argument, and a copy of a tensor Python holds takes a reference on its Python
+// object under the GIL, which the call had released (a GIL round trip per tensor and call). A
 // kernel does what the fallback does, in the same LayoutSession, without boxing the arguments
 // and with the session borrowing them (the caller holds them for the call): CPU twins and
 // aliases, the same full dispatch to the CPU's kernel, the same errors, the write-back, results
@@ -502,7 +505,8 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // layout, an undefined one, a sparse tensor written in place, a copy-on-write one written) is
 // boxed and handed to the fallback, which checks, refuses or runs it exactly as before. A loop on
 // the same tensors finds their aliases in the route's memo (HostKernel's ALIAS_MEMO).
-#define OPENREG_LAYOUT_ROUTES(X) X(add_Tensor) X(add__Tensor) X(_to_dense)
+#define OPENREG_LAYOUT_ROUTES(X) \
+  X(add_Tensor) X(add__Tensor) X(_to_dense) X(index_select) X(_coalesce) X(sparse_mask)
 std::atomic<int64_t>& g_layout_direct = call_counter("layouts.direct");
 // [docs:end LAYOUT_ROUTE]
 
