@@ -6,6 +6,11 @@ instructions of each dump, in order. The child calls `count_block(step, calls, d
 block: 200 calls of warm-up, the device synchronized, then collection switched on around the
 measured calls only (torch's `_valgrind_toggle`) and one dump. Deterministic to a fraction of a
 percent and unaffected by the machine's load, where wall-clock ratios of tiny operators are not.
+
+The switch counts the thread that turns it on only: backward of openreg tensors runs on the
+autograd engine's device thread, whose instructions are left out. For a step with backward, pass
+`backward_on_caller=True` (autograd multithreading off for the measured calls, so backward runs
+on the caller and is counted; the handoffs themselves are then not part of the count).
 """
 
 from __future__ import annotations
@@ -20,16 +25,19 @@ from typing import Callable
 import torch
 
 
-def count_block(step: Callable[[], object], calls: int, device: str) -> None:
-    """In the child: one dump holding the instructions of `calls` calls of `step`."""
-    for _ in range(200):
-        step()
-    if device != "cpu":
-        torch.openreg.synchronize()
-    torch._C._valgrind_toggle()
-    for _ in range(calls):
-        step()
-    torch._C._valgrind_toggle_and_dump_stats()
+def count_block(step: Callable[[], object], calls: int, device: str,
+                backward_on_caller: bool = False, warmup: int = 200) -> None:
+    """In the child: one dump holding the instructions of `calls` calls of `step` (see above for
+    `backward_on_caller`)."""
+    with torch.autograd.set_multithreading_enabled(not backward_on_caller):
+        for _ in range(warmup):
+            step()
+        if device != "cpu":
+            torch.openreg.synchronize()
+        torch._C._valgrind_toggle()
+        for _ in range(calls):
+            step()
+        torch._C._valgrind_toggle_and_dump_stats()
 
 
 def run_under_callgrind(script: str, args: list[str], out_dir: str,

@@ -8,8 +8,10 @@ installed) with OMP_NUM_THREADS=1, and counts, for each device, a block of calls
 workload with collection switched on around it only (torch's `_valgrind_toggle`), after 200
 calls of warm-up: 2,000 chained adds `y = y + x` of 4 float32 elements (what
 `benchmarks/run.py tiny_adds` times), 2,000 `torch.add(a, b)`, 100 `_foreach_add_` and 50
-`_fused_adam_` over 100 tensors of 16 elements. It prints the instructions per call and the ratio
-openreg / CPU. The callgrind files stay in DIR (default: a temporary directory) for
+`_fused_adam_` over 100 tensors of 16 elements; and 3 steps each of two workloads with backward
+(`benchmarks/fallback.py lbfgs`, two iterations of test_optim's sparse Rosenbrock with Adagrad from
+`benchmarks/layouts.py`), after 10 of warm-up, with backward on the caller's thread so that it is
+counted (`callgrind.py`). It prints the instructions per call and the ratio openreg / CPU. The callgrind files stay in DIR (default: a temporary directory) for
 `callgrind_annotate --inclusive=yes DIR/cg.out.<n>`. Takes a few minutes.
 """
 
@@ -24,7 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from callgrind import count_block, run_under_callgrind  # noqa: E402
 
 WORKLOADS = [("chain `y = y + x`, 4 elements", 2000), ("`torch.add(a, b)`, 4 elements", 2000),
-             ("`_foreach_add_`, 100 x 16", 100), ("`_fused_adam_`, 100 x 16", 50)]
+             ("`_foreach_add_`, 100 x 16", 100), ("`_fused_adam_`, 100 x 16", 50),
+             ("LBFGS step, backward on the caller", 3),
+             ("sparse Rosenbrock, Adagrad, 2 iterations, backward on the caller", 3)]
+WITH_BACKWARD = 2  # the last ones
 DEVICES = ("cpu", "openreg:0")
 
 
@@ -45,14 +50,20 @@ def blocks(torch, dev):
                            beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
                            maximize=False)
 
-    return [chain, lambda: torch.add(a, b), lambda: torch._foreach_add_(lists[0], lists[1]), adam]
+    import fallback
+    import layouts
+    return [chain, lambda: torch.add(a, b), lambda: torch._foreach_add_(lists[0], lists[1]), adam,
+            fallback.lbfgs(dev), layouts.rosenbrock_sparse(dev)]
 
 
 def child() -> None:
     import torch
     for dev in DEVICES:
-        for (_, n), f in zip(WORKLOADS, blocks(torch, dev)):
-            count_block(f, n, dev)
+        for i, ((_, n), f) in enumerate(zip(WORKLOADS, blocks(torch, dev))):
+            if i >= len(WORKLOADS) - WITH_BACKWARD:
+                count_block(f, n, dev, backward_on_caller=True, warmup=10)
+            else:
+                count_block(f, n, dev)
 
 
 def main() -> None:
