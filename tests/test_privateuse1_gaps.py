@@ -366,10 +366,13 @@ def test_trainer_batches_stay_on_the_cpu_while_accelerate_places_the_model(tmp_p
 
 # [docs:start GAP_ACCELERATE_MULTI_PROCESS]
 ACCELERATE_RANKS = """
+import os
 import torch.distributed as dist
 from accelerate import PartialState
 state = PartialState()
-print(state.distributed_type, state.num_processes, dist.get_world_size(), flush=True)
+# one write() per line: both ranks share the pipe, and print() writes each piece separately when
+# stdout is unbuffered (PYTHONUNBUFFERED=1), so two ranks' lines could interleave
+os.write(1, f"{state.distributed_type} {state.num_processes} {dist.get_world_size()}\\n".encode())
 """
 
 
