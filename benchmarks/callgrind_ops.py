@@ -11,7 +11,8 @@ calls of warm-up: 2,000 chained adds `y = y + x` of 4 float32 elements (what
 `_fused_adam_` over 100 tensors of 16 elements; and 3 steps each of two workloads with backward
 (`benchmarks/fallback.py lbfgs`, two iterations of test_optim's sparse Rosenbrock with Adagrad from
 `benchmarks/layouts.py`), after 10 of warm-up, with backward on the caller's thread so that it is
-counted (`callgrind.py`). It prints the instructions per call and the ratio openreg / CPU. The callgrind files stay in DIR (default: a temporary directory) for
+counted (`callgrind.py`). It prints the instructions per call and the ratio openreg / CPU. The
+callgrind files stay in DIR (default: a temporary directory) for
 `callgrind_annotate --inclusive=yes DIR/cg.out.<n>`. Takes a few minutes.
 """
 
@@ -25,11 +26,12 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from callgrind import count_block, run_under_callgrind  # noqa: E402
 
-WORKLOADS = [("chain `y = y + x`, 4 elements", 2000), ("`torch.add(a, b)`, 4 elements", 2000),
-             ("`_foreach_add_`, 100 x 16", 100), ("`_fused_adam_`, 100 x 16", 50),
-             ("LBFGS step, backward on the caller", 3),
-             ("sparse Rosenbrock, Adagrad, 2 iterations, backward on the caller", 3)]
-WITH_BACKWARD = 2  # the last ones
+# (name, calls, with backward: counted on the caller's thread, after 10 calls of warm-up)
+WORKLOADS = [("chain `y = y + x`, 4 elements", 2000, False),
+             ("`torch.add(a, b)`, 4 elements", 2000, False),
+             ("`_foreach_add_`, 100 x 16", 100, False), ("`_fused_adam_`, 100 x 16", 50, False),
+             ("LBFGS step, backward on the caller", 3, True),
+             ("sparse Rosenbrock, Adagrad, 2 iterations, backward on the caller", 3, True)]
 DEVICES = ("cpu", "openreg:0")
 
 
@@ -59,8 +61,8 @@ def blocks(torch, dev):
 def child() -> None:
     import torch
     for dev in DEVICES:
-        for i, ((_, n), f) in enumerate(zip(WORKLOADS, blocks(torch, dev))):
-            if i >= len(WORKLOADS) - WITH_BACKWARD:
+        for (_, n, backward), f in zip(WORKLOADS, blocks(torch, dev)):
+            if backward:
                 count_block(f, n, dev, backward_on_caller=True, warmup=10)
             else:
                 count_block(f, n, dev)
@@ -84,7 +86,7 @@ def main() -> None:
     print("| workload | cpu | openreg | ratio |")
     print("|---|---|---|---|")
     k = len(WORKLOADS)
-    for i, (name, n) in enumerate(WORKLOADS):
+    for i, (name, n, _) in enumerate(WORKLOADS):
         cpu, dev = counts[i] / n, counts[k + i] / n
         print(f"| {name} | {cpu:,.0f} | {dev:,.0f} | {dev / cpu:.3f}x |")
 

@@ -20,6 +20,19 @@ def coo_pair(shape=(4, 5), nnz=6, dense_dims=(), coalesced=False, seed=0):
     return cpu, cpu.to(D)
 
 
+def same_result_or_error(case, cpu_args, dev_args):
+    """`case(*dev_args)` gives what `case(*cpu_args)` gives on the CPU: an equal result, or the
+    CPU's exception, type and message."""
+    try:
+        want = case(*cpu_args)
+    except Exception as e:  # noqa: BLE001
+        with pytest.raises(type(e)) as got:
+            case(*dev_args)
+        assert str(got.value) == str(e)
+    else:
+        same(case(*dev_args), want)
+
+
 def same(dev, cpu):
     """`dev` is an openreg tensor equal to the CPU reference `cpu`, layout included."""
     assert dev.device.type == D
@@ -296,14 +309,7 @@ def test_layout_route_add_and_to_dense():
         lambda d, s, dv: s.to_dense(masked_grad=True),
     ]
     for case in cases:
-        try:
-            want = case(dense, cpu, "cpu")
-        except Exception as e:  # noqa: BLE001
-            with pytest.raises(type(e)) as got:
-                case(dense.to(D), dev, D)
-            assert str(got.value) == str(e)
-        else:
-            same(case(dense.to(D), dev, D), want)
+        same_result_or_error(case, (dense, cpu, "cpu"), (dense.to(D), dev, D))
     # the fallback's cases: its device errors, a written sparse tensor, a copy-on-write one
     a_cpu, a_dev = cpu.clone(), dev.clone()
     fallback = calls("fallback")
@@ -317,7 +323,6 @@ def test_layout_route_add_and_to_dense():
     same(lazy.add_(dev), dense + cpu)
     same(source, dense)
     assert calls("fallback") - fallback == 4
-
 
 
 def test_layout_route_sparse_optimizer_operators():
@@ -357,14 +362,7 @@ def test_layout_route_sparse_optimizer_operators():
         lambda s, d, m, dv: d.double().sparse_mask(m),
     ]
     for case in cases:
-        try:
-            want = case(cpu, dense, mask_cpu, "cpu")
-        except Exception as e:  # noqa: BLE001
-            with pytest.raises(type(e)) as got:
-                case(dev, dense.to(D), mask_dev, D)
-            assert str(got.value) == str(e)
-        else:
-            same(case(dev, dense.to(D), mask_dev, D), want)
+        same_result_or_error(case, (cpu, dense, mask_cpu, "cpu"), (dev, dense.to(D), mask_dev, D))
     # another device: the fallback's error
     fallback = calls("fallback")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
@@ -372,6 +370,7 @@ def test_layout_route_sparse_optimizer_operators():
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         dense.sparse_mask(mask_dev)
     assert calls("fallback") - fallback == 2
+
 
 def test_hybrid_dense_dims():
     cpu, dev = coo_pair(shape=(3, 4), dense_dims=(2,))

@@ -497,7 +497,8 @@ void layout_fallback(const c10::OperatorHandle& op, c10::Stack* stack) {
 // about 6,000 instructions more than on the CPU through the fallback, callgrind, issue 41), and
 // those of sparse optimizer steps (`index_select`, `_coalesce`, `sparse_mask`): boxing copies
 // each tensor argument, and a copy of a tensor Python holds takes a reference on its Python
-// object under the GIL, which the call had released (a GIL round trip per tensor and call). A
+// object under the GIL, which the call had released, and its release drops it the same way (two
+// GIL round trips per tensor and call). A
 // kernel does what the fallback does, in the same LayoutSession, without boxing the arguments
 // and with the session borrowing them (the caller holds them for the call): CPU twins and
 // aliases, the same full dispatch to the CPU's kernel, the same errors, the write-back, results
