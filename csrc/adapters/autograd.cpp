@@ -118,9 +118,17 @@ std::vector<pid_t>& moved_workers() {
   return *workers;
 }
 
-thread_local int t_role = -1;   // -1 not known yet, 0 host thread, 1 device (autograd) thread
-thread_local int t_cpu = -1;    // host: the core last noted; device: the core it was moved to
-thread_local int t_depth = 0;   // nested kernels of this thread
+// A thread's placement state: one thread_local, constant-initialized (no guard), so that a
+// kernel's placement costs one TLS lookup.
+struct PlacementThread {
+  int role = -1;       // -1 not known yet, 0 host thread, 1 device (autograd) thread
+  int cpu = -1;        // host: the core last noted; device: the core it was moved to
+  int depth = 0;       // nested kernels of this thread
+  int epoch = 0;       // the g_placement_epoch it last saw (device thread)
+  pid_t tid = 0;       // this thread's id, once known
+  int pin_task = -1;   // device thread: the graph task it last pinned for
+};
+thread_local PlacementThread t_place;
 
 std::atomic<bool> g_stats{false};
 std::atomic<int64_t> g_stat_kernels{0}, g_stat_busy{0}, g_stat_first{0}, g_stat_last{0},
@@ -135,7 +143,6 @@ int64_t monotonic_ns() {
 // Bumped when the device threads get the process's affinity back: a device thread then forgets
 // the core it was moved to.
 std::atomic<int> g_placement_epoch{0};
-thread_local int t_epoch = 0;
 
 void restore_moved_workers_locked() {
   g_placement_epoch.fetch_add(1);
@@ -170,11 +177,11 @@ void move_to(int cpu) {
     const cpu_set_t one = only_core(cpu);
     if (sched_setaffinity(0, sizeof(cpu_set_t), &one) == 0) {
       g_stat_moves.fetch_add(1, std::memory_order_relaxed);
-      t_cpu = cpu;
+      t_place.cpu = cpu;
       return;
     }
   }
-  t_cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
+  t_place.cpu = -2 - cpu;  // refused (outside the cpuset): not tried again until the caller moves
 }
 
 // On a device thread moved to a caller's core, when there is no core to follow any more (the
@@ -189,7 +196,7 @@ void unmove_self() {
     g_moved_workers.fetch_sub(1);
     sched_setaffinity(0, sizeof(cpu_set_t), &process_affinity());
   }
-  t_cpu = -1;
+  t_place.cpu = -1;
 }
 
 // [docs:start PIN_CALLER]
@@ -204,8 +211,6 @@ void unmove_self() {
 // The engine drops the GraphTask on the device thread right after waking the caller, but the
 // caller, just woken, often runs first (a third of the backward calls of a small model returned
 // still pinned before the free released it).
-thread_local pid_t t_tid = 0;            // this thread's id, once known
-thread_local int t_pin_task = -1;        // device thread: the graph task it last pinned for
 std::atomic<pid_t> g_caller_tid{0};      // the host thread of the last host kernel
 std::atomic<pid_t> g_pinned_caller{0};
 cpu_set_t g_pinned_caller_saved;         // its affinity before
@@ -213,10 +218,11 @@ int g_pinned_caller_cpu = -1;            // the core it was pinned to
 int64_t g_pin_generation = 0;            // counts the pins
 std::atomic<int64_t> g_stat_pins{0};
 
-pid_t current_tid() {
-  if (t_tid == 0) t_tid = static_cast<pid_t>(syscall(SYS_gettid));
-  return t_tid;
+pid_t current_tid(PlacementThread& p) {
+  if (p.tid == 0) p.tid = static_cast<pid_t>(syscall(SYS_gettid));
+  return p.tid;
 }
+pid_t current_tid() { return current_tid(t_place); }
 
 // Gives the pinned caller its affinity back, unless it was changed since (then the new one is
 // kept). Under g_moved_mutex.
@@ -295,7 +301,7 @@ void pin_caller(pid_t tid, int cpu) {
       g_workers_in_kernel.store(0);
       g_caller_tid.store(0);
       g_pinned_caller.store(0);
-      t_tid = 0;  // the child's thread has an id of its own
+      t_place.tid = 0;  // the child's thread has an id of its own
     });
 
 }  // namespace
@@ -314,7 +320,8 @@ void release_pin_if_caller() noexcept {
 // read by forward on one core are read by backward on the other. Measured on the 2-core machine
 // with OMP_NUM_THREADS=1 (MLP 784-256-256-10, batch 64, forward / backward / optimizer, ms):
 // CPU 0.33 / 0.42 / 0.26; openreg 0.37 / 0.63 / 0.45; openreg with the whole process on one core
-// (taskset -c 0) 0.35 / 0.48 / 0.34. So each kernel of a host thread notes the core it runs on,
+// (taskset -c 0) 0.35 / 0.48 / 0.34. So each kernel of a host thread notes the core it runs on
+// (before the first backward, only its first kernel does: no device thread follows it yet),
 // and each kernel of a device thread first moves the thread there if it is elsewhere (one
 // sched_setaffinity, only when the caller's core changed). That is right while the host thread
 // waits for the device thread, as in backward(); when both run kernels at the same time (user
@@ -333,11 +340,15 @@ void release_pin_if_caller() noexcept {
 // loaded machine, where no core is idle, there is nothing to gain, and sharing one core cost up to
 // 2-4% in some runs (docs/autograd.md).
 DeviceThreadPlacement::DeviceThreadPlacement() {
-  if (t_depth++ > 0) return;
-  if (t_role < 0) t_role = is_autograd_worker_thread() ? 1 : 0;
-  if (t_role == 0) {
+  PlacementThread& p = t_place;
+  if (p.depth++ > 0) return;
+  if (p.role < 0) p.role = is_autograd_worker_thread() ? 1 : 0;
+  if (p.role == 0) {
     if (!g_follow.load(std::memory_order_relaxed)) return;
-    const pid_t tid = current_tid();
+    // No device thread yet (no backward has run on openreg): the core is noted at the thread's
+    // first kernel, for the first backward, and not again until a device thread exists.
+    if (p.cpu != -1 && g_worker_devices.load(std::memory_order_relaxed) == 0) return;
+    const pid_t tid = current_tid(p);
     if (g_pinned_caller.load(std::memory_order_relaxed) == tid) release_pinned_caller(tid);
     if (g_caller_tid.load(std::memory_order_relaxed) != tid)
       g_caller_tid.store(tid, std::memory_order_relaxed);
@@ -346,8 +357,8 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
     // core with the device thread made backward slower (MLP step 1.19-1.25x the CPU without,
     // 1.26-1.32x with; CNN 1.03-1.15x against 1.08-1.25x, default threads on 2 cores).
     const int cpu = at::get_num_threads() == 1 ? sched_getcpu() : -1;
-    if (cpu != t_cpu) {
-      t_cpu = cpu;
+    if (cpu != p.cpu) {
+      p.cpu = cpu;
       g_caller_cpu.store(cpu, std::memory_order_relaxed);
     }
     // A host thread's kernel while a device thread runs one: they must not share a core.
@@ -358,20 +369,20 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
   }
   if (g_follow.load(std::memory_order_relaxed)) {
     const int epoch = g_placement_epoch.load(std::memory_order_relaxed);
-    if (t_epoch != epoch) {
-      t_epoch = epoch;
-      t_cpu = -1;
+    if (p.epoch != epoch) {
+      p.epoch = epoch;
+      p.cpu = -1;
     }
     // Moved there before and still there (its affinity may have been changed since).
     const int target = g_caller_cpu.load(std::memory_order_relaxed);
-    if (target >= 0 && t_cpu != -2 - target && (target != t_cpu || target != sched_getcpu()))
-      move_to(target);
-    else if (target < 0 && t_cpu >= 0)
+    if (target >= 0 && p.cpu != -2 - target && (target != p.cpu || target != sched_getcpu()))
+      move_to(target);  // sets p.cpu
+    else if (target < 0 && p.cpu >= 0)
       unmove_self();
-    if (target >= 0 && t_cpu == target) {
+    if (target >= 0 && p.cpu == target) {
       const int task = torch::autograd::get_current_graph_task_id();
-      if (task != t_pin_task) {
-        t_pin_task = task;
+      if (task != p.pin_task) {
+        p.pin_task = task;
         const pid_t caller = g_caller_tid.load(std::memory_order_relaxed);
         if (task >= 0 && caller != 0) pin_caller(caller, target);
       }
@@ -389,7 +400,7 @@ DeviceThreadPlacement::DeviceThreadPlacement() {
 // [docs:end FOLLOW_CALLER]
 
 DeviceThreadPlacement::~DeviceThreadPlacement() {
-  --t_depth;
+  --t_place.depth;
   if (counted_) g_workers_in_kernel.fetch_sub(1, std::memory_order_relaxed);
   if (start_ns_ != 0) {
     const int64_t end = monotonic_ns();

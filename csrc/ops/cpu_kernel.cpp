@@ -458,8 +458,12 @@ struct HostKernel::Session {
 };
 
 namespace {
-// What a thread keeps for its kernels: one thread_local, so a call pays one TLS lookup.
+// What a thread keeps for its kernels, reached through one pointer (t_kernel below).
 struct KernelThread {
+  KernelThread() = default;
+  KernelThread(const KernelThread&) = delete;
+  KernelThread& operator=(const KernelThread&) = delete;
+  ~KernelThread();
   std::vector<std::unique_ptr<HostKernel::Session>> sessions;
   size_t depth = 0;  // sessions in use on this thread (nested HostKernels)
   bool configured = false;
@@ -472,7 +476,28 @@ std::atomic<int64_t>& g_memo_aliases = call_counter("unboxed.memo");
 // Conjugate and negative bits, compared in one step.
 const uint64_t kMathBits = (c10::DispatchKeySet(c10::DispatchKey::Conjugate) |
                             c10::DispatchKeySet(c10::DispatchKey::Negative)).raw_repr();
-thread_local KernelThread t_kernel;
+// A kernel call reaches its thread's state in one TLS lookup: t_kernel is a plain pointer,
+// initialized to a constant, so reading it needs no initialization guard. A thread_local with a
+// constructor (as KernelThread itself) is reached through the compiler's guard function
+// (__tls_init) and two lookups on every use: 3 __tls_get_addr calls and 2 __tls_init calls of
+// a tiny add's ~22. The state is made at the thread's first kernel and owned by t_kernel_owner,
+// which is touched only then; its destructor runs when the thread exits.
+thread_local KernelThread* t_kernel = nullptr;
+thread_local std::unique_ptr<KernelThread> t_kernel_owner;
+
+KernelThread* new_kernel_thread() {
+  t_kernel_owner = std::make_unique<KernelThread>();
+  return t_kernel = t_kernel_owner.get();
+}
+
+// At thread exit: a kernel after this (from another thread_local's destructor) makes new state
+// instead of using the freed one.
+KernelThread::~KernelThread() { t_kernel = nullptr; }
+
+inline KernelThread& kernel_thread() {
+  KernelThread* k = t_kernel;
+  return k != nullptr ? *k : *new_kernel_thread();
+}
 
 // The deleter of memory a cached alias borrows: never called (the DataPtr has no context).
 void borrowed_memory(void*) {}
@@ -533,7 +558,7 @@ inline bool plain_tensor_impl(const c10::TensorImpl& t) {
 int HostKernel::new_memo_site() { return g_memo_sites.fetch_add(1); }
 
 HostKernel::Session* HostKernel::acquire_session(int memo_site, AliasMemo*& memo) {
-  KernelThread& k = t_kernel;
+  KernelThread& k = kernel_thread();
   if (!k.configured) {  // a field of the thread's state: no call per kernel once configured
     k.configured = true;
     configure_kernel_thread();
@@ -566,7 +591,7 @@ HostKernel::~HostKernel() {
     const size_t matched = memo_->matching ? memo_->next : memo_->matched;
     if (matched != 0) g_memo_aliases.fetch_add(int64_t(matched), std::memory_order_relaxed);
   }
-  --t_kernel.depth;
+  --t_kernel->depth;
 }
 // [docs:end SESSION_INDEX]
 

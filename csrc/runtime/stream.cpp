@@ -34,26 +34,31 @@ using Clock = std::chrono::steady_clock;
 // The streams the calling thread holds right now: kernels it runs inline, or the task its worker
 // runs. Used to make nested launches free and to refuse waits that could never end.
 constexpr int kMaxHeld = 8;
-thread_local Stream* tls_held[kMaxHeld];
-thread_local int tls_num_held = 0;
-thread_local bool tls_is_worker = false;
+// One thread_local (constant-initialized, so no guard): a launch reaches it in one TLS lookup.
+struct HeldStreams {
+  Stream* streams[kMaxHeld] = {};
+  int count = 0;
+  bool is_worker = false;  // a stream's worker thread
+};
+thread_local HeldStreams t_held;
 
-bool held_here(const Stream* s) {
-  for (int i = 0; i < tls_num_held; ++i)
-    if (tls_held[i] == s) return true;
+bool held_here(const HeldStreams& h, const Stream* s) {
+  for (int i = 0; i < h.count; ++i)
+    if (h.streams[i] == s) return true;
   return false;
 }
+bool held_here(const Stream* s) { return held_here(t_held, s); }
 
-void push_held(Stream* s) {
-  TORCH_CHECK(tls_num_held < kMaxHeld, "openreg: too many nested stream launches");
-  tls_held[tls_num_held++] = s;
+void push_held(HeldStreams& h, Stream* s) {
+  TORCH_CHECK(h.count < kMaxHeld, "openreg: too many nested stream launches");
+  h.streams[h.count++] = s;
 }
 
-void pop_held(Stream* s) {
-  for (int i = tls_num_held - 1; i >= 0; --i)
-    if (tls_held[i] == s) {
-      for (int j = i; j + 1 < tls_num_held; ++j) tls_held[j] = tls_held[j + 1];
-      --tls_num_held;
+void pop_held(HeldStreams& h, Stream* s) {
+  for (int i = h.count - 1; i >= 0; --i)
+    if (h.streams[i] == s) {
+      for (int j = i; j + 1 < h.count; ++j) h.streams[j] = h.streams[j + 1];
+      --h.count;
       return;
     }
 }
@@ -179,7 +184,7 @@ class Stream {
   }
 
   void run() {
-    tls_is_worker = true;
+    t_held.is_worker = true;
     // A thread starts with its starter's name and affinity; a stream's first task may be queued
     // from an autograd device thread ("pt_autograd_<n>", possibly kept on one core while it
     // follows its caller, docs/autograd.md). The worker is a thread of its own.
@@ -197,7 +202,7 @@ class Stream {
         after = std::move(queue_.front().after);
         queue_.pop_front();
       }
-      push_held(this);
+      push_held(t_held, this);
       try {
         if (task) task();
         task = nullptr;  // release captured tensors before the work counts as done
@@ -208,7 +213,7 @@ class Stream {
         if (!has_error_) error_ = std::move(message);  // the first error is the one reported
         has_error_ = true;
       }
-      pop_held(this);
+      pop_held(t_held, this);
       finish(kRunning + kQueued);
       if (after) after();
     }
@@ -463,7 +468,7 @@ void device_synchronize(int device) {
   for (auto& s : streams) s->rethrow_async_error();
 }
 
-bool on_stream_worker() { return tls_is_worker; }
+bool on_stream_worker() { return t_held.is_worker; }
 
 void synchronize_all() {
   for (int d = 0; d < device_count(); ++d) device_synchronize(d);
@@ -516,7 +521,10 @@ std::atomic<int64_t> g_queued_kernels[kMaxDevices] = {};
 
 void set_launch_reports_errors(bool on) { g_launch_reports_errors = on; }
 
-bool inside_stream_work() { return tls_is_worker || tls_num_held > 0; }
+bool inside_stream_work() {
+  const HeldStreams& h = t_held;
+  return h.is_worker || h.count > 0;
+}
 
 void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
   const int device = s->device();
@@ -552,7 +560,7 @@ void stream_enqueue_kernel(Stream* s, std::function<void()> kernel) {
 }
 
 void wait_for_queued_kernels(int device) {
-  if (tls_is_worker || g_queued_kernels[device].load() == 0) return;
+  if (t_held.is_worker || g_queued_kernels[device].load() == 0) return;
   for (auto& s : all_streams()[device].streams)
     if (!s->idle() && !held_here(s.get())) stream_wait(s.get());
 }
@@ -561,7 +569,8 @@ void wait_for_queued_kernels(int device) {
 // [docs:start LAUNCH_SCOPE_IMPL]
 LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   check_not_forked();
-  if (held_here(s)) return;  // nested launch: the stream is already ours
+  HeldStreams& held = t_held;
+  if (held_here(held, s)) return;  // nested launch: the stream is already ours
   // A kernel that reaches here on a capturing stream would run now instead of being recorded.
   if (g_active_captures.load(std::memory_order_relaxed) > 0)
     if (Capture* c = capture_for_launch(s))
@@ -572,11 +581,11 @@ LaunchScope::LaunchScope(Stream* s) : stream_(nullptr) {
   if (profiling) issue_ns_ = wall_ns();  // the host calls the device
   on_kernel_launch(s->device(), s->id());  // an injected failure (runtime/faults.h)
   s->begin_kernel();
-  push_held(s);
+  push_held(held, s);
   stream_ = s;
   if (g_launch_reports_errors.load(std::memory_order_relaxed) && s->has_error()) {
     // Asynchronous kernel mode: the queued work this launch waited for failed (stream.h).
-    pop_held(s);
+    pop_held(held, s);
     stream_ = nullptr;
     s->end_kernel();
     s->rethrow_async_error();
@@ -598,7 +607,7 @@ LaunchScope::~LaunchScope() {
     recorder->record({t_launch_kind.kind, stream_->device(), stream_->id(), start_ns_, end_ns,
                       t_launch_kind.bytes, issuer});
   }
-  pop_held(stream_);
+  pop_held(t_held, stream_);
   stream_->end_kernel();
 }
 // [docs:end LAUNCH_SCOPE_IMPL]
