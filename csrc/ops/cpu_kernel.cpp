@@ -478,10 +478,10 @@ const uint64_t kMathBits = (c10::DispatchKeySet(c10::DispatchKey::Conjugate) |
                             c10::DispatchKeySet(c10::DispatchKey::Negative)).raw_repr();
 // A kernel call reaches its thread's state in one TLS lookup: t_kernel is a plain pointer,
 // initialized to a constant, so reading it needs no initialization guard. A thread_local with a
-// constructor (as KernelThread itself) is reached through the compiler's guard function
-// (__tls_init) and two lookups on every use: 3 __tls_get_addr calls and 2 __tls_init calls of
-// a tiny add's ~22. The state is made at the thread's first kernel and owned by t_kernel_owner,
-// which is touched only then; its destructor runs when the thread exits.
+// constructor (as KernelThread itself) goes through the compiler's guard function (__tls_init) on
+// every use: as one, the state cost a tiny add 3 of its 22 __tls_get_addr calls, and 2 calls of
+// __tls_init. The state is made at the thread's first kernel and owned by t_kernel_owner, which
+// is touched only then; its destructor runs when the thread exits.
 thread_local KernelThread* t_kernel = nullptr;
 thread_local std::unique_ptr<KernelThread> t_kernel_owner;
 
