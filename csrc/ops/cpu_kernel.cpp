@@ -460,10 +460,7 @@ struct HostKernel::Session {
 namespace {
 // What a thread keeps for its kernels, reached through one pointer (t_kernel below).
 struct KernelThread {
-  KernelThread() = default;
-  KernelThread(const KernelThread&) = delete;
-  KernelThread& operator=(const KernelThread&) = delete;
-  ~KernelThread();
+  ~KernelThread();  // clears t_kernel (below)
   std::vector<std::unique_ptr<HostKernel::Session>> sessions;
   size_t depth = 0;  // sessions in use on this thread (nested HostKernels)
   bool configured = false;
