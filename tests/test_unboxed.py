@@ -515,6 +515,66 @@ def test_memo_across_many_tensors_and_a_sweep_of_the_cache():
             torch.testing.assert_close(d.cpu(), c)
 
 
+def _varied_views(base_cpu, base_dev, i):
+    """The same view of a CPU and a device tensor: offset, stride, length, conjugate and negative
+    bits chosen by i."""
+    views = []
+    for base in (base_cpu, base_dev):
+        n = 1 + (i * 7) % 11
+        t = base[i % 3:][:: 1 + i % 2][:n]
+        if t.is_complex() and i % 3 == 0:
+            t = t.conj()
+        elif t.is_floating_point() and i % 4 == 0:
+            t = torch._neg_view(t)
+        views.append(t)
+    return views
+
+
+def test_new_tensors_get_swept_aliases_revalidated():
+    # Entries the alias cache sweeps keep their CPU alias for the next tensors it sees for the
+    # first time, which revalidate it. The new tensors differ from the dead ones in dtype, memory
+    # size, shape, strides, offset and conjugate / negative bits; every result and every tensor
+    # written in place must be the CPU's.
+    dtypes = [torch.float32, torch.float64, torch.int64, torch.complex64, torch.int16]
+    reused = C._route_calls("unboxed.spare_alias")
+    for rnd in range(4):
+        g = torch.Generator().manual_seed(rnd)
+        keep = []
+        for i in range(200):  # more tensors than the cache holds before a sweep
+            dtype = dtypes[(i + rnd) % len(dtypes)]
+            base_cpu = (torch.rand(30 + (i * 5 + rnd) % 40, generator=g) * 8).to(dtype)
+            base_dev = base_cpu.to(DEV)
+            c, d = _varied_views(base_cpu, base_dev, i + rnd)
+            assert_same(c * 3, d * 3)  # read through the alias
+            c.add_(2)
+            d.add_(2)  # written through it
+            assert_same(base_cpu, base_dev)
+            if i % 10 == 0:
+                keep.append((base_cpu, base_dev))  # some live on, the rest die
+        for base_cpu, base_dev in keep:
+            assert_same(base_cpu + 1, base_dev + 1)
+    assert C._route_calls("unboxed.spare_alias") > reused
+
+
+def test_tensors_that_die_young_leave_a_cache_of_many_live_ones():
+    # With thousands of live tensors cached, the whole cache is swept only once it doubles; the
+    # young entries are looked at every few dozen new ones, and the dead among them give their
+    # aliases to the next new tensors.
+    live = [torch.full((3,), float(i)).to(DEV) for i in range(2000)]
+    for t in live:
+        t.add_(1)  # each cached
+    reused = C._route_calls("unboxed.spare_alias")
+    x = torch.arange(6.0).to(DEV)
+    window = []  # each new tensor lives for eight more, so it is not the last few entries' when
+    for i in range(300):  # it dies (those a new tensor takes over)
+        window.append(x * (i + 1))
+        assert (window[-1] + 0).cpu().tolist() == [float(k * (i + 1)) for k in range(6)]
+        if len(window) > 8:
+            window.pop(0)
+    assert C._route_calls("unboxed.spare_alias") > reused
+    assert all(t.cpu().tolist() == [i + 1.0] * 3 for i, t in enumerate(live))
+
+
 def test_memo_with_the_same_tensors_on_another_device_and_dtype():
     results = {}
     for device in ("cpu", DEV, "openreg:1"):

@@ -90,7 +90,16 @@ at::Tensor cpu_alias(const at::Tensor& t) {
 //    weight read by the caller and the autograd device thread) never share an alias. Within a
 //    thread an entry in use (nested kernels) is not handed out twice: the inner call builds a
 //    fresh alias.
-//  * Size: entries of device tensors that died are swept once the cache doubles in size.
+//  * Size: most tensors an operator sees for the first time die young (a loop's temporaries);
+//    the entries made since the last look (kYoung of them) are looked at again when the next
+//    kYoung have been made, and those whose tensor died leave the cache. The whole cache is swept
+//    once it doubles in size (kMinSweep entries at the least), for the entries that died old.
+//    (Before, only the whole sweep, at 1,024 entries or twice the live ones: LBFGS's tiny
+//    operators on fresh tensors kept about a thousand dead tensors' entries, aliases and
+//    TensorImpls around between sweeps, their memory spread over the caches.)
+//  * A swept entry keeps its alias (up to kSpareAliases of them): the next tensor seen for the
+//    first time takes the entry and revalidates the alias, as a take-over does, instead of
+//    making a TensorImpl and a StorageImpl.
 //  * Reuse: a tensor seen for the first time takes over the entry of a tensor that died, if one
 //    of the last few entries made or taken over is such (a chain `y = y + x` passes each result
 //    once, and the previous one has died by then): its alias is revalidated for the new tensor
@@ -106,42 +115,68 @@ struct HostKernel::AliasCache {
     // The session the alias is handed out to (nullptr: free). A call finds a tensor it passes
     // twice by this mark, without a search.
     const HostKernel::Session* owner = nullptr;
+    bool young = false;  // listed in `young`
   };
   ska::flat_hash_map<const c10::TensorImpl*, Entry*> entries;
   // Entries are never freed, only made spare: a call site's memo (ALIAS_MEMO) may point to an
   // entry that left the cache, and finds it spare or another tensor's by its key.
   std::deque<Entry> pool;
   std::vector<Entry*> spare;
-  size_t sweep_at = 1024;
+  std::vector<Entry*> spare_with_alias;  // swept entries that kept their alias
+  std::vector<Entry*> young;  // made or taken over since the last look; may list spare entries
+  static constexpr size_t kYoung = 64;
+  static constexpr size_t kMinSweep = 256;
+  static constexpr size_t kSpareAliases = 256;
+  size_t sweep_at = kMinSweep;
   // The entries made or taken over last (valid until an entry is erased: then cleared).
   static constexpr size_t kRecent = 4;
   Entry* recent[kRecent] = {};
   size_t next_recent = 0;
 
   void remember(Entry* e) { recent[next_recent++ % kRecent] = e; }
+  void note_young(Entry* e) {
+    if (e->young) return;
+    e->young = true;
+    young.push_back(e);
+  }
   void forget_recent() { std::fill(std::begin(recent), std::end(recent), nullptr); }
 
+  // An entry for `t`, with the alias a swept entry kept if there is one (to be revalidated).
   Entry* make(const at::Tensor& t) {
     Entry* e;
-    if (spare.empty()) {
-      e = &pool.emplace_back();
-    } else {
+    if (!spare_with_alias.empty()) {
+      e = spare_with_alias.back();
+      spare_with_alias.pop_back();
+    } else if (!spare.empty()) {
       e = spare.back();
       spare.pop_back();
+    } else {
+      e = &pool.emplace_back();
     }
     e->device = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
         t.getIntrusivePtr());
     e->key = t.unsafeGetTensorImpl();
     entries.emplace(e->key, e);
+    note_young(e);
     return e;
   }
-  // Out of the map first, then the weak reference that kept the key's address goes.
-  void release(Entry* e) {
+  // Out of the map first, then the weak reference that kept the key's address goes. The alias
+  // is kept if asked and nothing else holds it (the entry's own references only: the tensor and
+  // its storage, whose TensorImpl also holds it).
+  void release(Entry* e, bool keep_alias = false) {
     e->device.reset();
     e->key = nullptr;
+    e->owner = nullptr;
+    const bool on_storage = e->cpu.defined() &&
+        e->cpu.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ==
+            e->storage.unsafeGetStorageImpl();
+    if (keep_alias && spare_with_alias.size() < kSpareAliases && on_storage &&
+        e->cpu.use_count() == 1 && e->storage.use_count() == 2) {
+      spare_with_alias.push_back(e);
+      return;
+    }
     e->cpu.reset();
     e->storage = c10::Storage();
-    e->owner = nullptr;
     spare.push_back(e);
   }
   void erase(const c10::TensorImpl* key) {
@@ -161,9 +196,26 @@ struct HostKernel::AliasCache {
           t.getIntrusivePtr());
       e->key = t.unsafeGetTensorImpl();
       entries.emplace(e->key, e);
+      note_young(e);
       return e;
     }
     return nullptr;
+  }
+
+  // The entries made or taken over since the last look: those whose tensor died leave.
+  void sweep_young() {
+    bool released = false;
+    for (Entry* e : young) {
+      if (!e->young) continue;  // listed again after it was released and made again
+      e->young = false;
+      if (e->key != nullptr && e->owner == nullptr && e->device.expired()) {
+        entries.erase(e->key);
+        release(e, /*keep_alias=*/true);
+        released = true;
+      }
+    }
+    young.clear();
+    if (released) forget_recent();  // a released entry must not be taken over
   }
 
   void sweep() {
@@ -172,12 +224,12 @@ struct HostKernel::AliasCache {
       Entry* e = it->second;
       if (e->owner == nullptr && e->device.expired()) {
         it = entries.erase(it);
-        release(e);
+        release(e, /*keep_alias=*/true);
       } else {
         ++it;
       }
     }
-    sweep_at = std::max<size_t>(1024, 2 * entries.size());
+    sweep_at = std::max<size_t>(kMinSweep, 2 * entries.size());
   }
 };
 // [docs:end ALIAS_CACHE]
@@ -470,6 +522,8 @@ struct KernelThread {
 std::atomic<int> g_memo_sites{0};
 // Aliases found through a memo, for tests (torch_openreg._C._route_calls("unboxed.memo")).
 std::atomic<int64_t>& g_memo_aliases = call_counter("unboxed.memo");
+// Swept entries' aliases revalidated for new tensors, for tests ("unboxed.spare_alias").
+std::atomic<int64_t>& g_spare_aliases = call_counter("unboxed.spare_alias");
 // Conjugate and negative bits, compared in one step.
 const uint64_t kMathBits = (c10::DispatchKeySet(c10::DispatchKey::Conjugate) |
                             c10::DispatchKeySet(c10::DispatchKey::Negative)).raw_repr();
@@ -717,12 +771,18 @@ C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
   // The first tensor of its storage in the call: this thread's cached alias, revalidated.
   if (e == nullptr) e = cache.take_over(t);
   if (e == nullptr) {
+    if (cache.young.size() >= AliasCache::kYoung) cache.sweep_young();
     if (cache.entries.size() >= cache.sweep_at) cache.sweep();
     e = cache.make(t);
-    e->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
-        c10::GetCPUAllocator(), /*resizable=*/true));
-    e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
+    if (e->cpu.defined()) {
+      revalidate(*e, t, dev_storage);  // a swept entry's alias
+      g_spare_aliases.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      e->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+          c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
+          c10::GetCPUAllocator(), /*resizable=*/true));
+      e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
+    }
     cache.remember(e);
   } else if (e->owner == nullptr) {
     revalidate(*e, t, dev_storage);
