@@ -205,8 +205,7 @@ struct HostKernel::AliasCache {
   // The entries made or taken over since the last look: those whose tensor died leave.
   void sweep_young() {
     bool released = false;
-    for (Entry* e : young) {
-      if (!e->young) continue;  // listed again after it was released and made again
+    for (Entry* e : young) {  // each listed once (its mark); a spare one has no key
       e->young = false;
       if (e->key != nullptr && e->owner == nullptr && e->device.expired()) {
         entries.erase(e->key);
