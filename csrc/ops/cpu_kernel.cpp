@@ -116,6 +116,13 @@ struct HostKernel::AliasCache {
     // twice by this mark, without a search.
     const HostKernel::Session* owner = nullptr;
     bool young = false;  // listed in `young`
+    // The alias is over `storage` and held by nothing but this entry (its references: the
+    // tensor, and the storage through the entry and the tensor).
+    bool alias_only_here() const {
+      return cpu.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ==
+                 storage.unsafeGetStorageImpl() &&
+             cpu.use_count() == 1 && storage.use_count() == 2;
+    }
   };
   ska::flat_hash_map<const c10::TensorImpl*, Entry*> entries;
   // Entries are never freed, only made spare: a call site's memo (ALIAS_MEMO) may point to an
@@ -167,11 +174,8 @@ struct HostKernel::AliasCache {
     e->device.reset();
     e->key = nullptr;
     e->owner = nullptr;
-    const bool on_storage = e->cpu.defined() &&
-        e->cpu.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() ==
-            e->storage.unsafeGetStorageImpl();
-    if (keep_alias && spare_with_alias.size() < kSpareAliases && on_storage &&
-        e->cpu.use_count() == 1 && e->storage.use_count() == 2) {
+    if (keep_alias && spare_with_alias.size() < kSpareAliases && e->cpu.defined() &&
+        e->alias_only_here()) {
       spare_with_alias.push_back(e);
       return;
     }
@@ -656,9 +660,7 @@ void HostKernel::Session::return_cached() {
     if (e == nullptr) continue;
     e->owner = nullptr;
     c10::StorageImpl* storage = e->storage.unsafeGetStorageImpl();
-    const bool on_storage = e->cpu.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() == storage;
-    const bool kept = e->cpu.use_count() != 1 || e->storage.use_count() != (on_storage ? 2u : 1u);
-    if (!kept && on_storage && borrows(storage)) continue;
+    if (e->alias_only_here() && borrows(storage)) continue;
     if (borrows(storage))
       storage->set_data_ptr_noswap(
           data_ptr_owned_by(a.device_storage, c10::Device(c10::DeviceType::CPU)));
