@@ -18,8 +18,10 @@
 #
 # The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
 # .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
-# all of them live side by side in one checkout. pip's cache keeps one download of each torch
-# wheel per machine, whatever the number of venvs and checkouts.
+# all of them live side by side in one checkout. The venvs hold about 14 GB on x86_64 (torch 2.15
+# and 2.14 are PyPI's CUDA builds, 5.8 GB each with their nvidia libraries and triton); pip is run
+# without its cache, which would keep a second, compressed copy of each download (CI's machine ran
+# out of disk with it, stop 48), and `make test` prints the free disk before and after them.
 RELEASES := 2.15 2.14 2.13
 DEFAULT_TORCH := $(firstword $(RELEASES))
 TORCH ?= $(DEFAULT_TORCH)
@@ -54,8 +56,9 @@ timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start 
 	@test -n '$(PACKAGES_$*)' || { echo "torch $* is not a supported release: $(RELEASES)"; exit 2; }
 	@mkdir -p build
 	@$(call timed, python3 -m venv .venv/torch-$* && \
-	  .venv/torch-$*/bin/python -m pip install -q --upgrade "pip>=23" "setuptools>=64" wheel ninja && \
-	  .venv/torch-$*/bin/python -m pip install -q $(PACKAGES_$*) $(TEST_TOOLS) $(DOCS_TOOLS),torch $* venv)
+	  .venv/torch-$*/bin/python -m pip install -q --no-cache-dir --upgrade "pip>=23" "setuptools>=64" wheel ninja && \
+	  .venv/torch-$*/bin/python -m pip install -q --no-cache-dir $(PACKAGES_$*) $(TEST_TOOLS) $(DOCS_TOOLS) \
+	  || { echo "pip failed for torch $*; free disk now:"; df -h . $${TMPDIR:-/tmp}; false; },torch $* venv)
 
 .venv/torch-%/.installed: .venv/torch-%/bin/python pyproject.toml setup.py $(NATIVE)
 	@mkdir -p build
@@ -110,7 +113,9 @@ test:
 	@mkdir -p build && rm -f $(TIMES) && echo $$(date +%s) > build/test-start
 	@# the venvs of all releases at once: pip unpacks on one core, so three installs side by side
 	@# take about half the time of three in a row (README, "make test")
+	@echo "free disk before the venvs:"; df -h . $${TMPDIR:-/tmp}
 	@$(call timed, $(MAKE) -j3 -Otarget $(foreach r,$(RELEASES),.venv/torch-$(r)/bin/python),venvs)
+	@echo "the venvs:"; du -sh .venv/*; df -h .
 	$(MAKE) suite TORCH=$(DEFAULT_TORCH) ASYNC_LEAVE_OUT="$(CI_ASYNC_LEAVE_OUT)"
 	@$(call timed, $(MAKE) docs TORCH=$(DEFAULT_TORCH),torch $(DEFAULT_TORCH) guide)
 	@for release in $(filter-out $(DEFAULT_TORCH),$(RELEASES)); do \
