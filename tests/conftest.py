@@ -8,6 +8,8 @@ assert hasattr(torch, "openreg"), (
     "torch_openreg was not autoloaded: install it with `pip install --no-build-isolation -e .`"
 )
 
+import torch_openreg  # noqa: E402  (after the check: importing it by name would register it)
+
 
 @pytest.fixture(params=["openreg:0", "openreg:1"])
 def device(request):
@@ -20,9 +22,12 @@ def devices_idle_after_each_test():
     """Each test ends with its device work done: what it queued (the asynchronous kernel mode,
     `OPENREG_ASYNC=1`, queues every kernel; `non_blocking` copies are queued in every mode) has
     run, and an error of that work is reported by the test that queued it, not by the next
-    synchronizing call of another test."""
+    synchronizing call of another test. The autograd device threads have let go of the test's last
+    backward (they do so a moment after backward() returns): its graph's device memory is not
+    freed in the middle of the next test, whose memory counts would move."""
     yield
     if torch.openreg.is_initialized():
+        torch_openreg._C._release_autograd_graphs()
         for index in range(torch.openreg.device_count()):
             torch.openreg.synchronize(index)
 

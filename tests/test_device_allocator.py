@@ -49,6 +49,27 @@ def test_allocated_and_reserved_follow_tensors(device):
     assert torch.openreg.memory_allocated(i) == start
 
 
+def test_settled_memory_allocated_leaves_out_what_earlier_code_left(device):
+    from torch_openreg.testing import settled_memory_allocated
+
+    start = settled_memory_allocated(device)
+    # a reference cycle holding device memory: unreachable, freed only by the collector (not run
+    # by itself in between)
+    gc.disable()
+    try:
+        cycle = [torch.empty(MiB // 4, device=device)]
+        cycle.append(cycle)
+        del cycle
+        assert torch.openreg.memory_allocated(device) == start + MiB
+        assert settled_memory_allocated(device) == start
+    finally:
+        gc.enable()
+    x = torch.empty(MiB // 4, device=device)
+    assert settled_memory_allocated(device) == torch.openreg.memory_allocated(device) == start + MiB
+    del x
+    assert settled_memory_allocated(device) == start
+
+
 def test_small_sizes_are_rounded_to_512_bytes(device):
     start = torch.openreg.memory_allocated(device)
     x = torch.empty(3, dtype=torch.uint8, device=device)

@@ -2,28 +2,14 @@
 BSC) live on the device with their indices and values in device memory, as on CUDA, and every
 operator gives the CPU's result. Unsupported combinations raise NotImplementedError naming the
 layout and the operator."""
-import gc
-
 import pytest
 import torch
 import torch.nn as nn
 
+from torch_openreg.testing import settled_memory_allocated
+
 D = "openreg"
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse")
-
-
-def settled_memory_allocated():
-    """Device memory in use once what earlier tests left is gone: their reference cycles collected
-    and each autograd device thread done releasing its last backward's graph (it does so after
-    backward() has returned, and on torch 2.13 only once it gets the GIL, so it can land in the next
-    test: in one CI run on 2.13, 512 bytes freed in the middle of a test made its end count 0, not
-    512)."""
-    import torch_openreg
-
-    gc.collect()
-    torch_openreg._C._release_autograd_graphs()
-    torch.openreg.synchronize()
-    return torch.openreg.memory_allocated()
 
 
 def coo_pair(shape=(4, 5), nnz=6, dense_dims=(), coalesced=False, seed=0):

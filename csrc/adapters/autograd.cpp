@@ -64,7 +64,8 @@ std::atomic<uint64_t> g_worker_devices{0};
 constexpr auto kExitWait = std::chrono::seconds(5);
 
 // One tiny backward per openreg device whose worker thread exists, built in C++ (no Python
-// object in it).
+// object in it), of empty tensors: the device thread may hold the probe's own graph a moment
+// after it returns, and that graph holds no device memory.
 void probe_worker_threads(uint64_t devices) noexcept {
   // The probe must build a graph whatever the caller's modes; anomaly mode would attach a
   // Python traceback to its node, so it is off for the probe.
@@ -78,8 +79,8 @@ void probe_worker_threads(uint64_t devices) noexcept {
     try {
       auto options = at::TensorOptions().device(c10::DeviceType::PrivateUse1,
                                                 static_cast<c10::DeviceIndex>(d));
-      at::Tensor leaf = at::zeros({1}, options).requires_grad_(true);
-      torch::autograd::backward({leaf}, {at::zeros({1}, options)});
+      at::Tensor leaf = at::zeros({0}, options).requires_grad_(true);
+      torch::autograd::backward({leaf}, {at::zeros({0}, options)});
     } catch (...) {
       // Exiting anyway: a device that cannot run the probe is left as it is.
     }

@@ -59,6 +59,30 @@ def hold_stream(stream: torch.Stream | None = None, timeout: float = 10.0) -> It
 # [docs:end HOLD_STREAM]
 
 
+# [docs:start SETTLED_MEMORY_ALLOCATED]
+def settled_memory_allocated(device: torch.device | str | int | None = None) -> int:
+    """``torch.openreg.memory_allocated(device)`` once what earlier code left behind is gone:
+    unreachable reference cycles collected, each autograd device thread done releasing the graph of
+    its last backward, and the work queued on every device's streams (frees included) done.
+
+    A leak test reads this before and after the code it checks. ``memory_allocated`` alone can
+    move in between for reasons of earlier code: a device thread lets go of a backward's graph
+    (with the tensors it saved) a moment after ``backward()`` has returned to the caller, as on
+    CUDA, so the free can land in the middle of the next test.
+    """
+    import gc
+
+    gc.collect()
+    _C._release_autograd_graphs()
+    for index in range(torch.openreg.device_count()):
+        torch.openreg.synchronize(index)
+    return torch.openreg.memory_allocated(device)
+# [docs:end SETTLED_MEMORY_ALLOCATED]
+
+
+__all__ += ["settled_memory_allocated"]
+
+
 # ---------------------------------------------------------------- test suites (docs/test_suites.md)
 
 import os  # noqa: E402
