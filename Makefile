@@ -18,8 +18,8 @@
 #
 # The supported releases (torch_openreg/_native_build.py). Each gets its own venv,
 # .venv/torch-<release>, and its own build of the native core (torch_openreg/_native/<tag>/), so
-# all of them live side by side in one checkout. The venvs hold about 14 GB on x86_64 (torch 2.15
-# and 2.14 are PyPI's CUDA builds, 5.8 GB each with their nvidia libraries and triton); pip is run
+# all of them live side by side in one checkout. The venvs hold about 13 GB on x86_64 (torch 2.15
+# and 2.14 are PyPI's CUDA builds, 5.8-5.9 GB each with their nvidia libraries and triton); pip is run
 # without its cache, which would keep a second, compressed copy of each download (CI's machine ran
 # out of disk with it, stop 48), and `make test` prints the free disk before and after them.
 RELEASES := 2.15 2.14 2.13

@@ -16,6 +16,7 @@ and ``python -m torch_openreg.testing spec SUITE`` prints (or writes) what a sui
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Iterator
 
 import torch
@@ -70,8 +71,6 @@ def settled_memory_allocated(device: torch.device | str | int | None = None) -> 
     (with the tensors it saved) a moment after ``backward()`` has returned to the caller, as on
     CUDA, so the free can land in the middle of the next test.
     """
-    import gc
-
     gc.collect()
     _C._release_autograd_graphs()
     for index in range(torch.openreg.device_count()):
