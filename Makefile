@@ -56,7 +56,7 @@ timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start 
 	@test -n '$(PACKAGES_$*)' || { echo "torch $* is not a supported release: $(RELEASES)"; exit 2; }
 	@mkdir -p build
 	@$(call timed, python3 -m venv .venv/torch-$* && \
-	  .venv/torch-$*/bin/python -m pip install -q --no-cache-dir --upgrade "pip>=23" "setuptools>=64" wheel ninja && \
+	  .venv/torch-$*/bin/python -m pip install -q --no-cache-dir --upgrade "pip>=23" "setuptools>=77" wheel ninja && \
 	  .venv/torch-$*/bin/python -m pip install -q --no-cache-dir $(PACKAGES_$*) $(TEST_TOOLS) $(DOCS_TOOLS) \
 	  || { echo "pip failed for torch $*; free disk now:"; df -h . $${TMPDIR:-/tmp}; false; },torch $* venv)
 
