@@ -19,6 +19,7 @@ import accelerate  # noqa: F401
 import peft  # noqa: F401
 import transformers
 
+import torch_behaviour
 from suite_process import run
 
 CLOSED = "gap closed upstream, update docs/privateuse1_gaps.md: "
@@ -112,8 +113,7 @@ def test_pytorch_testing_device_for_custom(tmp_path):
     compared with the test base's device type, which is "privateuse1" before the first test class
     is set up and the backend's name after: `openreg` never matches."""
     tests = generated(tmp_path, 'only_for="cuda"', {"PYTORCH_TESTING_DEVICE_FOR_CUSTOM": "openreg"})
-    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if release < (2, 15):
+    if not torch_behaviour.DEVICE_FOR_CUSTOM_MATCHES_BACKEND_NAME:
         assert tests == [], CLOSED + f"torch {torch.__version__} honours it: {tests}"
     else:
         assert tests == ["__main__.TestSamplePRIVATEUSE1.test_ones_openreg"], tests

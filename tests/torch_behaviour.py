@@ -39,3 +39,9 @@ DTYPE_EXCLUSIONS = RELEASE >= (2, 14)
 # there and openreg's gradients differ from the CPU's in the last bits (strides equal; measured
 # on 2.13.0, 2.14.1 and 2.15.0, 2026-11-28).
 GROUP_NORM_BACKWARD_KEEPS_CHANNELS_LAST = RELEASE >= (2, 14)
+
+# PYTORCH_TESTING_DEVICE_FOR_CUSTOM lets a file whose tests are only for CUDA (only_for="cuda") run
+# on a custom device from torch 2.15 on; before, the variable is compared with the test base's
+# device type, "privateuse1" before the first test class is set up, so the backend's name never
+# matches (tests/test_privateuse1_gaps.py).
+DEVICE_FOR_CUSTOM_MATCHES_BACKEND_NAME = RELEASE >= (2, 15)
