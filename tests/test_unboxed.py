@@ -515,6 +515,36 @@ def test_memo_across_many_tensors_and_a_sweep_of_the_cache():
             torch.testing.assert_close(d.cpu(), c)
 
 
+def test_aliases_made_in_inference_mode_serve_calls_outside_it():
+    # A kernel's CPU aliases outlive the call (the alias cache, its swept spares, the memo). Made
+    # inside torch.inference_mode() they must still serve normal tensors outside it: in-place
+    # kernels on them used to raise "Inplace update to inference tensor outside InferenceMode".
+    x = {d: torch.arange(6.0, device=d) for d in ("cpu", DEV)}
+    lists = {d: [[t.to(d) for t in l] for l in _memo_lists(n=4)] for d in ("cpu", DEV)}
+    with torch.inference_mode():
+        for d in ("cpu", DEV):
+            x[d].add_(1)  # a normal tensor, updated inside the mode: its alias is cached there
+            _step(lists[d])
+            for i in range(300):  # tensors made and dead inside: their aliases are swept, spare
+                fresh = [torch.rand(4, device=d) for _ in range(4)]
+                torch._foreach_mul_(fresh, 2.0)
+                fresh[0].add_(1).mul_(3)
+    for d in ("cpu", DEV):
+        x[d].mul_(2)  # the same tensor outside
+        _step(lists[d])  # the same lists outside: the memo's aliases
+        for i in range(300):  # fresh normal tensors, served by the spare aliases
+            fresh = [torch.full((4,), float(i), device=d) for _ in range(4)]
+            torch._foreach_mul_(fresh, 2.0)
+            fresh[0].add_(1).mul_(3)
+            assert fresh[0]._version > 0 and not fresh[0].is_inference()
+            if i == 299:
+                assert_same(fresh[0].cpu(), torch.full((4,), 3.0 * (2 * i + 1)))
+    assert_same(x[DEV].cpu(), x["cpu"])
+    for lc, ld in zip(lists["cpu"], lists[DEV]):
+        for c, t in zip(lc, ld):
+            assert_same(t.cpu(), c)
+
+
 def _varied_views(base_cpu, base_dev, i):
     """The same view of a CPU and a device tensor: offset, stride, length, conjugate and negative
     bits chosen by i."""

@@ -8,6 +8,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/flat_hash_map.h>
@@ -65,9 +66,27 @@ at::Tensor make_device_tensor(c10::Storage storage, const at::Tensor& like) {
   return make_tensor_like(std::move(storage), c10::DispatchKey::PrivateUse1, like);
 }
 
+namespace {
+// [docs:start ALIAS_NOT_INFERENCE]
+// A CPU alias is never an inference tensor, whatever the mode it is made in: a cached alias
+// outlives the call (ALIAS_CACHE), and one made inside torch.inference_mode() would carry a
+// disabled version counter into a later call outside it, where an in-place kernel on it raised
+// "Inplace update to inference tensor outside InferenceMode" for a normal device tensor. Inside
+// the mode a normal alias is what the CPU kernel gets for a normal tensor there anyway, and
+// whether the device tensor itself may be updated was decided before the call, on the device
+// tensor.
+at::Tensor make_alias(c10::Storage storage, const at::Tensor& like) {
+  if (C10_UNLIKELY(c10::InferenceMode::is_enabled())) {
+    c10::InferenceMode normal(false);
+    return make_tensor_like(std::move(storage), c10::DispatchKey::CPU, like);
+  }
+  return make_tensor_like(std::move(storage), c10::DispatchKey::CPU, like);
+}
+// [docs:end ALIAS_NOT_INFERENCE]
+}  // namespace
+
 at::Tensor cpu_alias(const at::Tensor& t) {
-  return make_tensor_like(c10::Storage(make_cpu_alias_storage(t.storage())), c10::DispatchKey::CPU,
-                          t);
+  return make_alias(c10::Storage(make_cpu_alias_storage(t.storage())), t);
 }
 
 // [docs:start ALIAS_CACHE]
@@ -684,9 +703,9 @@ C10_NOINLINE void revalidate(HostKernel::AliasCache::Entry& e, const at::Tensor&
   }
   c10::TensorImpl* cimpl = e.cpu.unsafeGetTensorImpl();
   if (cimpl->dtype() != t.dtype()) {
-    e.cpu = make_tensor_like(e.storage, c10::DispatchKey::CPU, device);
+    e.cpu = make_alias(e.storage, device);
   } else {
-    // (The alias is a plain TensorImpl, made by make_tensor_like.)
+    // (The alias is a plain TensorImpl, made by make_alias.)
     if (!(plain_tensor_impl(t) ? same_stored_layout(*cimpl, t) : same_layout(*cimpl, t)))
       cimpl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
     if (cimpl->is_conj() != t.is_conj()) cimpl->_set_conj(t.is_conj());
@@ -763,9 +782,8 @@ C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
     // Another argument of the call has this storage: an alias over the same CPU storage, so that
     // the kernel sees the overlap, made for this call only.
     if (memo_ != nullptr) memo_->recording = false;
-    at::Tensor cpu = make_tensor_like(
-        c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)),
-        c10::DispatchKey::CPU, t);
+    at::Tensor cpu = make_alias(
+        c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s_->storages[st].cpu)), t);
     s_->add_tensor(std::move(cpu), t);
     return s_->tensors.back().cpu();
   }
@@ -782,7 +800,7 @@ C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
       e->storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
           c10::StorageImpl::use_byte_size_t(), dev_storage->nbytes(), borrow(dev_storage),
           c10::GetCPUAllocator(), /*resizable=*/true));
-      e->cpu = make_tensor_like(e->storage, c10::DispatchKey::CPU, t);
+      e->cpu = make_alias(e->storage, t);
     }
     cache.remember(e);
   } else if (e->owner == nullptr) {
@@ -792,7 +810,7 @@ C10_NOINLINE const at::Tensor& HostKernel::alias_ordinary(const at::Tensor& t) {
     if (memo_ != nullptr) memo_->recording = false;
     c10::Storage cpu_storage(make_cpu_alias_storage(storage));
     s_->add_storage(cpu_storage.unsafeGetStorageImpl(), dev_storage, claimed);  // held by the alias
-    at::Tensor cpu = make_tensor_like(std::move(cpu_storage), c10::DispatchKey::CPU, t);
+    at::Tensor cpu = make_alias(std::move(cpu_storage), t);
     s_->add_tensor(std::move(cpu), t);
     return s_->tensors.back().cpu();
   }
