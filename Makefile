@@ -47,7 +47,7 @@ PYTEST = $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 TIMES := build/test-times.txt
 timed = start=$$(date +%s); $(1); rc=$$?; echo "$(2): $$(( $$(date +%s) - start )) s" | tee -a $(TIMES); test $$rc = 0
 
-.PHONY: demo test suite docs bench fuzz pytorch-suites library-suites install clean
+.PHONY: demo test suite shuffled docs bench fuzz pytorch-suites library-suites install clean
 # The venvs are kept, not removed as intermediate files of the pattern rules.
 .PRECIOUS: .venv/torch-%/bin/python .venv/torch-%/.installed
 
@@ -131,6 +131,16 @@ docs: install
 	$(PY) tools/docs_quotes.py
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "guide: docs/_build/html/index.html"
+
+# The suite in one process, its tests in an order shuffled by SEED (tests/conftest.py): finds tests
+# that depend on what earlier tests left behind. Not in CI (about 16 minutes per mode on 2.15).
+SEED ?= 1
+shuffled: install
+	@for mode in $(MODES); do \
+	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; else env=; fi; \
+	  echo "== torch $(TORCH), $$mode mode, tests shuffled by seed $(SEED)"; \
+	  env $$env OPENREG_TEST_ORDER_SEED=$(SEED) $(PY) -m pytest -q -p no:xdist -p no:cacheprovider tests || exit 1; \
+	done
 
 # The differential fuzzer over a long range of seeds (the test suite runs seeds 0:400).
 FUZZ_SEEDS ?= 0:5000

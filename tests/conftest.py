@@ -1,4 +1,5 @@
 import os
+import random
 
 import pytest
 import torch
@@ -9,6 +10,17 @@ assert hasattr(torch, "openreg"), (
 )
 
 import torch_openreg  # noqa: E402  (after the check: importing it by name would register it)
+
+
+def pytest_collection_modifyitems(config, items):
+    """OPENREG_TEST_ORDER_SEED=<n> runs the collected tests in an order shuffled by that seed
+    (`make shuffled`). What one test leaves behind in process-wide state (caches, pools, modes)
+    then meets other tests than the ones after it in file order, and a test that depends on it
+    fails reproducibly instead of as a rare flake of CI's workers, whose files meet in an order
+    that depends on timing."""
+    seed = os.environ.get("OPENREG_TEST_ORDER_SEED")
+    if seed:
+        random.Random(int(seed)).shuffle(items)
 
 
 @pytest.fixture(params=["openreg:0", "openreg:1"])
