@@ -132,15 +132,11 @@ docs: install
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "guide: docs/_build/html/index.html"
 
-# The suite in one process, its tests in an order shuffled by SEED (tests/conftest.py): finds tests
+# `suite` in one process, its tests in an order shuffled by SEED (tests/conftest.py): finds tests
 # that depend on what earlier tests left behind. Not in CI (about 16 minutes per mode on 2.15).
 SEED ?= 1
-shuffled: install
-	@for mode in $(MODES); do \
-	  if [ $$mode = async ]; then env=OPENREG_ASYNC=1; else env=; fi; \
-	  echo "== torch $(TORCH), $$mode mode, tests shuffled by seed $(SEED)"; \
-	  env $$env OPENREG_TEST_ORDER_SEED=$(SEED) $(PY) -m pytest -q -p no:xdist -p no:cacheprovider tests || exit 1; \
-	done
+shuffled:
+	OPENREG_TEST_ORDER_SEED=$(SEED) $(MAKE) suite PYTEST="$(PY) -m pytest -q -p no:xdist -p no:cacheprovider"
 
 # The differential fuzzer over a long range of seeds (the test suite runs seeds 0:400).
 FUZZ_SEEDS ?= 0:5000

@@ -169,14 +169,15 @@ def _allocate_until_reused(ptr, keep):
     for _ in range(cached // (N * 4) + 2):
         z = torch.zeros(N, device="openreg")
         keep.append(z)
-        if _overlaps(z, ptr):
+        storage = z.untyped_storage()
+        if _overlaps_freed(storage.data_ptr(), storage.nbytes(), ptr):
             return z
     raise AssertionError(f"the freed block was never handed out again ({cached} bytes cached)")
 
 
-def _overlaps(t, ptr):
-    start = t.untyped_storage().data_ptr()
-    return start < ptr + N * 4 and ptr < start + t.untyped_storage().nbytes()
+def _overlaps_freed(start, nbytes, ptr):
+    """Memory [start, start + nbytes) overlaps the freed tensor's, N floats at ptr."""
+    return start < ptr + N * 4 and ptr < start + nbytes
 
 
 def test_use_after_free_across_streams_is_flagged(sanitize, cache_state):
@@ -187,7 +188,7 @@ def test_use_after_free_across_streams_is_flagged(sanitize, cache_state):
     e = flagged(excinfo, "zeros", handle(default_stream()), "mul", handle(side))
     assert e.use_after_free
     assert e.previous.allocation.ptr == ptr
-    assert e.allocation.ptr < ptr + N * 4 and ptr < e.allocation.ptr + e.allocation.size
+    assert _overlaps_freed(e.allocation.ptr, e.allocation.size, ptr)
     text = str(excinfo.value)
     assert "use after free" in text and "freed at" in text
     del y
