@@ -57,3 +57,29 @@ def slow_copies():
         for index in range(torch.openreg.device_count()):
             torch.openreg.synchronize(index)
         torch.openreg.set_copy_engine_config(*old)
+
+
+@pytest.fixture
+def on_a_new_thread():
+    """Runs a function on a host thread of its own and re-raises what it raised. The asynchronous
+    mode learns signatures per host thread (docs/async_mode.md): on a new thread the first call
+    of a signature is its first, whatever earlier tests in the process called, so a test that
+    checks what a first call does runs the same alone, in file order and shuffled."""
+    import threading
+
+    def run(body, *args):
+        raised = []
+
+        def target():
+            try:
+                body(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+                raised.append(e)
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+        if raised:
+            raise raised[0]
+
+    return run

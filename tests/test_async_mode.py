@@ -571,7 +571,11 @@ def test_random_operators_draw_in_program_order(asynchronous):
 
 # ---------------------------------------------------------------- warnings
 
-def test_warnings_of_an_operator_are_given_at_each_call(asynchronous):
+def test_warnings_of_an_operator_are_given_at_each_call(asynchronous, on_a_new_thread):
+    on_a_new_thread(warnings_of_an_operator_are_given_at_each_call)
+
+
+def warnings_of_an_operator_are_given_at_each_call():
     # std() of one element warns in its CPU kernel, at every call. A GPU user sees an operator's
     # warnings at the call (the host side of an operator gives them, never a running kernel): the
     # calls of a signature whose first call warned all run synchronously.
@@ -615,7 +619,16 @@ def test_profiler_shows_queued_kernels_after_their_launch(asynchronous):
 
 # ---------------------------------------------------------------- the signature cache
 
-def test_operators_without_cpp_meta_are_queued_from_the_second_call_of_a_signature(asynchronous):
+@pytest.mark.parametrize("learned_here_before", [False, True])
+def test_operators_without_cpp_meta_are_queued_from_the_second_call_of_a_signature(
+        asynchronous, on_a_new_thread, learned_here_before):
+    if learned_here_before:  # as an earlier test may have: signatures are learned per thread
+        torch.randn(7, 5, device="openreg").relu(), torch.randn(7, 5, device="openreg").relu()
+        torch.openreg.synchronize()
+    on_a_new_thread(operators_without_cpp_meta_are_queued_from_the_second_call)
+
+
+def operators_without_cpp_meta_are_queued_from_the_second_call():
     x = torch.randn(7, 5, device="openreg")
     cpu = x.cpu()
     counts = async_mode.counts()
@@ -632,7 +645,11 @@ def test_operators_without_cpp_meta_are_queued_from_the_second_call_of_a_signatu
         assert result.stride() == expected.stride()
 
 
-def test_first_call_of_a_signature_raises_the_cpu_error_at_the_call(asynchronous):
+def test_first_call_of_a_signature_raises_the_cpu_error_at_the_call(asynchronous, on_a_new_thread):
+    on_a_new_thread(first_call_of_a_signature_raises_the_cpu_error_at_the_call)
+
+
+def first_call_of_a_signature_raises_the_cpu_error_at_the_call():
     x = torch.ones(5, 3, device="openreg")
     bad = torch.tensor([0, 9], device="openreg")
     good = torch.tensor([0, 4], device="openreg")

@@ -21,7 +21,7 @@ from torch._dynamo.device_interface import get_interface_for_device
 from torch._inductor.utils import run_and_get_code
 
 from test_models import MODELS
-from torch_openreg.testing import hold_stream
+from torch_openreg.testing import hold_stream, settled_memory_allocated
 
 
 @pytest.fixture(autouse=True)
@@ -183,14 +183,22 @@ def test_fake_tensors_keep_openreg_devices():
 
 # ---- Inductor ----------------------------------------------------------------------------------
 
-def test_inductor_generates_kernels_that_run_on_device_memory():
+class _Cycle:
+    pass
+
+
+@pytest.mark.parametrize("garbage_before", [False, True])
+def test_inductor_generates_kernels_that_run_on_device_memory(garbage_before):
     def f(x, y):
         return (x * y + 1).relu().sum(0), torch.tanh(x) @ y.t()
 
+    if garbage_before:  # device memory held by a reference cycle, as an earlier test may leave
+        cycle = _Cycle()
+        cycle.me, cycle.memory = cycle, torch.empty(512, device="openreg:0")
+        del cycle
     x, y = torch.randn(8, 16, device="openreg:1"), torch.randn(8, 16, device="openreg:1")
-    torch.openreg.synchronize(1)
-    before0 = torch.openreg.memory_allocated(0)
-    before1 = torch.openreg.memory_allocated(1)
+    # settled: compiling runs the garbage collector, which may free what earlier tests left
+    before0, before1 = settled_memory_allocated(0), settled_memory_allocated(1)
     (a, b), (code,) = run_and_get_code(torch.compile(f), x, y)
     # Generated C++ kernels, launched on openreg:1 in stream order, buffers from its allocator.
     assert "cpp_fused" in code and "extern \"C\"" in code

@@ -266,7 +266,13 @@ def test_kernel_error_in_the_asynchronous_mode():
     ("addmm", lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]), "queued", "aten::addmm"),
 ])
 def test_kernel_error_by_name_in_the_asynchronous_mode_names_the_kernel(op, call, route,
-                                                                        expected):
+                                                                        expected, on_a_new_thread):
+    # on a thread of its own: there, the call below is the first of its signature or the second
+    on_a_new_thread(kernel_error_by_name_in_the_asynchronous_mode_names_the_kernel, op, call,
+                    route, expected)
+
+
+def kernel_error_by_name_in_the_asynchronous_mode_names_the_kernel(op, call, route, expected):
     from torch_openreg import async_mode
 
     x = torch.randn(7, 5, device="openreg:0")
